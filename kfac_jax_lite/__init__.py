@@ -1,0 +1,36 @@
+"""kfac_jax_lite: K-FAC for JAX as a pure optax transform.
+
+Martens & Grosse (2015), "Optimizing Neural Networks with Kronecker-factored
+Approximate Curvature"; Grosse & Martens (2016) for convolutions; Martens, Ba
+& Johnson (2018) for multi-use layers.
+"""
+
+from kfac_jax_lite.collection import APPROXIMATIONS
+from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.collection import LayerCollection
+from kfac_jax_lite.estimator import EstimatorState
+from kfac_jax_lite.estimator import FisherEstimator
+from kfac_jax_lite.estimator import value_grad_and_stats
+from kfac_jax_lite.losses import LossSpec
+from kfac_jax_lite.scanner import scan
+from kfac_jax_lite.tags import register_categorical_predictive_distribution
+from kfac_jax_lite.tags import register_conv
+from kfac_jax_lite.tags import register_conv2d
+from kfac_jax_lite.tags import register_convolution
+from kfac_jax_lite.tags import register_dense
+from kfac_jax_lite.tags import register_depthwise_conv2d
+from kfac_jax_lite.tags import register_embedding
+from kfac_jax_lite.tags import register_fully_connected
+from kfac_jax_lite.tags import register_generic
+from kfac_jax_lite.tags import register_multi_bernoulli_predictive_distribution
+from kfac_jax_lite.tags import register_normal_predictive_distribution
+from kfac_jax_lite.tags import register_scale_and_shift
+from kfac_jax_lite.tags import register_separable_conv2d
+from kfac_jax_lite.tags import register_sigmoid_cross_entropy_loss
+from kfac_jax_lite.tags import register_softmax_cross_entropy_loss
+from kfac_jax_lite.tags import register_squared_error_loss
+from kfac_jax_lite.transform import ScaleByKFACState
+from kfac_jax_lite.transform import kfac
+from kfac_jax_lite.transform import scale_by_kfac
+
+__version__ = "0.1.0"

@@ -1,0 +1,37 @@
+"""Curvature blocks, one family per module; :func:`make_block` picks one."""
+
+from __future__ import annotations
+
+from kfac_jax_lite.blocks import diagonal
+from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks.base import BlockConfig, LayerData
+from kfac_jax_lite.collection import Layer
+
+__all__ = ["BlockConfig", "LayerData", "make_block"]
+
+# (kind, approx) -> constructor(layer, config).
+_FACTORIES = {
+    ("fully_connected", "kron"): kronecker.dense_block,
+    ("fully_connected", "kron_in_diag"): kronecker.dense_block,
+    ("fully_connected", "kron_out_diag"): kronecker.dense_block,
+    ("fully_connected", "kron_both_diag"): kronecker.dense_block,
+    ("fully_connected", "kron_indep"): kronecker.dense_block,
+    ("generic", "diagonal"): diagonal.NaiveDiagonalBlock,
+}
+
+
+def make_block(layer: Layer, config: BlockConfig | None = None):
+  """The block for ``layer.kind`` and ``layer.approx``.
+
+  Raises:
+    NotImplementedError: for a (kind, approx) pair with no block yet.
+  """
+  config = config or BlockConfig()
+  factory = _FACTORIES.get((layer.kind, layer.approx))
+  if factory is None:
+    done = sorted(a for k, a in _FACTORIES if k == layer.kind)
+    raise NotImplementedError(
+        f"Layer {layer.name!r}: approximation {layer.approx!r} for kind "
+        f"{layer.kind!r} has no block in this version (available: {done}). "
+        "Pass approximations={...} to scan() to choose another.")
+  return factory(layer, config)

@@ -1,0 +1,138 @@
+"""The curvature-block interface and the data a block is given.
+
+A block is a static, frozen object (closed over, never traced) whose methods
+are pure functions of a state pytree. The estimator hands each block a
+:class:`LayerData` per step; the block turns it into minibatch statistics
+(``compute_stats``), folds those into its factors with a zero-debiased EMA
+(``update_curvature``), refreshes cached inverses / powers / Cholesky factors
+(``update_cache``) and multiplies parameter-shaped vectors.
+
+Vectors are tuples with the structure of ``layer.param_paths`` (e.g.
+``(w, b)``); ``full_fisher_block`` is in ``ravel_pytree`` order of that
+tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from kfac_jax_lite import linalg
+from kfac_jax_lite.collection import Layer
+
+DAMPING_TYPES = ("pi", "exact")
+
+
+class LayerData(NamedTuple):
+  """What the estimator gives a block at each curvature update.
+
+  Attributes:
+    inputs: one entry per tag site: the tuple of recorded tag inputs, each
+      ``[B, U, *input_shape[1:]]`` where ``U`` is the product of the
+      enclosing ``lax.scan`` lengths (1 outside loops).
+    grads: one entry per site: the output gradients ``[S, B, U, *y_shape[1:]]``
+      for ``S`` sources (sampled targets, exact-mode columns, ...). Blocks
+      *sum* over sources; the estimator has already scaled them, so that
+      ``Σ_s g_s g_sᵀ`` estimates :math:`J^T F_R J` for one example.
+    params: the layer's parameter values, in ``param_paths`` order.
+    param_grads: per parameter leaf, ``[S, *leaf.shape]`` gradients of the
+      summed (over the batch) per-source loss; only for blocks with
+      ``needs_param_grads``, else ``()``.
+    batch_size: ``B``.
+  """
+  inputs: tuple
+  grads: tuple
+  params: tuple
+  param_grads: tuple
+  batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Options shared by every block (set by the estimator).
+
+  Attributes:
+    exps: matrix powers to cache (``-1`` is the inverse).
+    compute_cholesky: cache Cholesky factors of the damped block.
+    compute_cholesky_inverse: cache their inverses.
+    damping_type: ``"pi"`` (factored Tikhonov with pi-adjustment) or
+      ``"exact"`` (``(c A⊗G + λI)^e`` through eigendecompositions).
+  """
+  exps: tuple = (-1,)
+  compute_cholesky: bool = False
+  compute_cholesky_inverse: bool = False
+  damping_type: str = "pi"
+
+  def __post_init__(self):
+    if self.damping_type not in DAMPING_TYPES:
+      raise ValueError(
+          f"damping_type={self.damping_type!r}; choose one of "
+          f"{list(DAMPING_TYPES)}.")
+    for e in self.exps:
+      if not isinstance(e, (int, float)) or isinstance(e, bool):
+        raise TypeError(f"exps must hold numbers; got {e!r}.")
+
+  @property
+  def cached_exps(self) -> tuple:
+    return tuple(sorted({float(e) for e in self.exps} - {1.0}))
+
+
+def check_exp(block, exp) -> float:
+  """Raises ``ValueError`` unless ``exp`` is 1 or was registered in exps."""
+  exp = float(exp)
+  if exp != 1.0 and exp not in block.config.cached_exps:
+    raise ValueError(
+        f"multiply_matpower(exp={exp:g}) on layer {block.layer.name!r}: "
+        f"exponent {exp:g} is not in exps={list(block.config.exps)}. Add it "
+        "to the estimator's exps=... so its power is cached.")
+  return exp
+
+
+def check_cached(block, flag: str, what: str):
+  if not getattr(block.config, flag):
+    raise ValueError(
+        f"{what} on layer {block.layer.name!r} needs {flag}=True in the "
+        "estimator (the factors are computed in update_cache).")
+
+
+def ema_update(state, factors: dict, stats: dict, decay):
+  """EMA of the named factor fields; non-finite stats leave state as is."""
+  finite = linalg.all_finite(stats)
+  old = {k: getattr(state, k) for k in factors}
+  new, weight = linalg.ema(old, stats, state.weight, decay)
+  new = {k: jnp.where(finite, new[k], old[k]).astype(old[k].dtype)
+         for k in factors}
+  weight = jnp.where(finite, weight, state.weight)
+  return state._replace(weight=weight.astype(state.weight.dtype), **new)
+
+
+def vector_dtype_cast(out: tuple, like: tuple) -> tuple:
+  return tuple(o.astype(l.dtype).reshape(l.shape) for o, l in zip(out, like))
+
+
+class Block:
+  """Interface of a curvature block (documentation only; see kronecker.py).
+
+  Attributes every block has: ``layer`` (:class:`Layer`), ``config``
+  (:class:`BlockConfig`), ``needs_param_grads`` (bool).
+  """
+  layer: Layer
+  config: BlockConfig
+  needs_param_grads: bool = False
+
+  def init(self) -> Any: ...
+  def compute_stats(self, data: LayerData) -> Any: ...
+  def update_curvature(self, state, stats, ema_decay) -> Any: ...
+  def update_cache(self, state, damping) -> Any: ...
+  def multiply_matpower(self, state, v: tuple, exp) -> tuple: ...
+  def multiply_cholesky(self, state, v, transpose=False) -> tuple: ...
+  def multiply_cholesky_inverse(self, state, v, transpose=False) -> tuple: ...
+  def full_fisher_block(self, state) -> jnp.ndarray: ...
+
+  def multiply(self, state, v):
+    return self.multiply_matpower(state, v, 1)
+
+  def multiply_inverse(self, state, v):
+    return self.multiply_matpower(state, v, -1)

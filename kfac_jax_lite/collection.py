@@ -1,0 +1,289 @@
+"""The immutable LayerCollection: layers, losses and their approximations.
+
+A :class:`LayerCollection` is what :func:`kfac_jax_lite.scan` returns. It
+holds static descriptions only (no arrays): which parameter leaves form each
+layer, the layer kind, the chosen curvature approximation, how many times the
+layer is used, and the registered losses. It is hashable, so it can be
+closed over by jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+
+from kfac_jax_lite.losses import LossSpec
+
+# Allowed approximations per layer kind; the first is the default.
+APPROXIMATIONS: Mapping[str, tuple] = {
+    "fully_connected": ("kron", "kron_in_diag", "kron_out_diag",
+                        "kron_both_diag", "diagonal", "full"),
+    "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2",
+                              "kron_in_diag", "kron_out_diag",
+                              "kron_both_diag", "diagonal", "full"),
+    "conv": ("kron", "diagonal", "kron_sua"),
+    "conv_multi": ("kron_indep", "diagonal"),
+    "depthwise_conv": ("diagonal", "kron"),
+    "depthwise_conv_multi": ("diagonal", "kron"),
+    "separable_conv": ("kron", "diagonal"),
+    "separable_conv_multi": ("kron", "diagonal"),
+    "embedding": ("kron",),
+    "embedding_multi": ("kron_indep",),
+    "scale_and_shift": ("full", "diagonal"),
+    "scale_and_shift_multi": ("full", "diagonal"),
+    "generic": ("diagonal", "full"),
+    "generic_multi": ("diagonal", "full"),
+}
+
+# "kron" on a multi-use layer means "kron_indep".
+_MULTI_ALIASES = {"kron": "kron_indep"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """A static layer description.
+
+  Attributes:
+    name: a readable unique name (derived from the parameter paths).
+    kind: ``fully_connected``, ``conv``, ``depthwise_conv``,
+      ``separable_conv``, ``embedding``, ``scale_and_shift`` or ``generic``.
+    approx: the resolved approximation string.
+    param_paths: ``jax.tree_util.keystr`` of each parameter leaf, in the
+      tag's operand order (e.g. kernel then bias).
+    param_indices: positions of those leaves in ``jax.tree.leaves(params)``.
+    param_shapes: shapes of the parameter leaves.
+    param_dtypes: dtype names of the parameter leaves.
+    num_uses: how many times the layer is applied per example (scan steps,
+      repeated tags, inner axes such as ``T`` of ``[B, T, d]`` inputs).
+    found_by: ``tag`` (registered by the user), ``auto`` (recognised by the
+      scanner) or ``leftover`` (no structure found: generic block).
+    meta: static tag metadata (strides, padding, ...), a sorted tuple.
+    note: why a fallback happened, if one did.
+  """
+  name: str
+  kind: str
+  approx: str
+  param_paths: tuple
+  param_indices: tuple
+  param_shapes: tuple
+  param_dtypes: tuple
+  num_uses: int = 1
+  found_by: str = "tag"
+  meta: tuple = ()
+  note: str = ""
+
+  @property
+  def is_multi(self) -> bool:
+    return self.num_uses > 1
+
+  @property
+  def meta_dict(self) -> dict:
+    return dict(self.meta)
+
+  @property
+  def has_bias(self) -> bool:
+    return self.kind in ("fully_connected", "conv") and len(
+        self.param_paths) == 2
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(math.prod(s)) for s in self.param_shapes)
+
+
+def approximation_key(kind: str, num_uses: int) -> str:
+  return f"{kind}_multi" if num_uses > 1 else kind
+
+
+def resolve_approx(kind: str, num_uses: int, explicit: Optional[str],
+                   param_paths: tuple,
+                   approximations: Optional[Mapping[str, str]]) -> str:
+  """Explicit ``approx`` > path prefix in ``approximations`` > kind > default.
+
+  Raises:
+    ValueError: for an approximation the layer kind does not support.
+  """
+  key = approximation_key(kind, num_uses)
+  allowed = APPROXIMATIONS[key]
+  source = "approx"
+  chosen = explicit
+  if chosen is None and approximations:
+    # Longest matching parameter-path prefix wins over a kind key.
+    best = None
+    for k, v in approximations.items():
+      if k in APPROXIMATIONS:
+        continue
+      if any(p.startswith(k) for p in param_paths):
+        if best is None or len(k) > len(best):
+          best = k
+    if best is not None:
+      chosen, source = approximations[best], f"approximations[{best!r}]"
+    elif key in approximations:
+      chosen, source = approximations[key], f"approximations[{key!r}]"
+    elif kind in approximations and num_uses == 1:
+      chosen, source = approximations[kind], f"approximations[{kind!r}]"
+  if chosen is None:
+    return allowed[0]
+  if num_uses > 1:
+    chosen = _MULTI_ALIASES.get(chosen, chosen)
+  if chosen not in allowed:
+    raise ValueError(
+        f"{source}={chosen!r} is not an approximation for a {key!r} layer "
+        f"with parameters {list(param_paths)}; choose one of {list(allowed)}.")
+  return chosen
+
+
+def validate_approximations(approximations: Optional[Mapping[str, str]],
+                            leaf_paths: tuple) -> None:
+  """Checks that every key of ``approximations`` names a kind or a path."""
+  if approximations is None:
+    return
+  if not isinstance(approximations, Mapping):
+    raise TypeError(
+        "approximations must be a dict mapping a layer kind or a parameter "
+        f"path prefix to an approximation; got {type(approximations)}.")
+  for k, v in approximations.items():
+    if k in APPROXIMATIONS:
+      if v not in APPROXIMATIONS[k] and _MULTI_ALIASES.get(
+          v) not in APPROXIMATIONS[k]:
+        raise ValueError(
+            f"approximations[{k!r}]={v!r} is unknown; choose one of "
+            f"{list(APPROXIMATIONS[k])}.")
+    elif not any(p.startswith(k) for p in leaf_paths):
+      raise ValueError(
+          f"approximations key {k!r} is neither a layer kind "
+          f"({sorted(APPROXIMATIONS)}) nor a prefix of a parameter path; "
+          f"paths look like {list(leaf_paths[:3])}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCollection:
+  """Layers and losses found in a loss function (immutable, hashable).
+
+  Attributes:
+    layers: tuple of :class:`Layer`.
+    losses: tuple of :class:`~kfac_jax_lite.losses.LossSpec`.
+    leaf_paths: ``keystr`` of every parameter leaf, in flatten order.
+    params_treedef: the parameters' tree structure.
+    loss_fn: the scanned function ``loss_fn(params, batch)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+  """
+  layers: tuple
+  losses: tuple
+  leaf_paths: tuple
+  params_treedef: Any
+  loss_fn: Callable = dataclasses.field(compare=False, repr=False)
+  has_aux: bool = False
+  fallbacks: tuple = ()
+
+  @property
+  def registered_variables(self) -> tuple:
+    """The registered parameter paths, in layer order."""
+    return tuple(p for layer in self.layers for p in layer.param_paths)
+
+  @property
+  def blocks(self) -> dict:
+    """Default curvature blocks, ``{layer.name: block}``."""
+    from kfac_jax_lite import blocks  # pylint: disable=import-outside-toplevel
+    return {layer.name: blocks.make_block(layer) for layer in self.layers}
+
+  def layer(self, name: str) -> Layer:
+    for layer in self.layers:
+      if layer.name == name:
+        return layer
+    raise KeyError(f"No layer named {name!r}; layers are "
+                   f"{[l.name for l in self.layers]}.")
+
+  def check_registration(self, params) -> None:
+    """Raises ``ValueError`` listing unregistered or doubly registered leaves.
+
+    Args:
+      params: a parameter pytree (e.g. the one that will be optimised).
+    """
+    paths = leaf_paths_of(params)
+    counts = {}
+    for p in self.registered_variables:
+      counts[p] = counts.get(p, 0) + 1
+    errors = []
+    for p in paths:
+      if p not in counts:
+        errors.append(f"parameter {p} is not registered in any layer")
+    for p, c in counts.items():
+      if c > 1:
+        errors.append(f"parameter {p} is registered in {c} layers")
+      if p not in paths:
+        errors.append(f"registered parameter {p} is not in params")
+    if errors:
+      raise ValueError(
+          "check_registration(params): " + "; ".join(errors) +
+          ". Tag every parameter exactly once (or let scan() register "
+          "leftovers as generic layers).")
+
+  def check_params(self, params, argname: str = "params") -> None:
+    """Raises ``ValueError`` if ``params`` differ in structure from the scan."""
+    treedef = jax.tree.structure(params)
+    if treedef != self.params_treedef:
+      raise ValueError(
+          f"{argname} has tree structure {treedef}, but the LayerCollection "
+          f"was scanned with {self.params_treedef}. Pass the same parameter "
+          "pytree that was given to scan(), or scan again.")
+
+  def describe(self) -> str:
+    """A human-readable table of layers, approximations and fallbacks."""
+    rows = [("layer", "kind", "approx", "shapes", "uses", "found by")]
+    for l in self.layers:
+      shapes = " ".join("x".join(map(str, s)) or "()" for s in l.param_shapes)
+      rows.append((l.name, l.kind, l.approx, shapes, str(l.num_uses),
+                   l.found_by))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("losses: " + ", ".join(
+        f"{s.kind}(weight={s.weight:g}, shape={s.shape})"
+        for s in self.losses))
+    num = sum(l.num_params for l in self.layers)
+    lines.append(f"parameters: {num} in {len(self.layers)} layers")
+    notes = [f"  {l.name}: {l.note}" for l in self.layers if l.note]
+    notes += [f"  {f}" for f in self.fallbacks]
+    if notes:
+      lines.append("fallbacks:")
+      lines.extend(notes)
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.describe()
+
+
+def leaf_paths_of(params) -> tuple:
+  """``keystr`` of each leaf, with flax nnx ``.value`` suffixes removed."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  return tuple(normalize_path(jax.tree_util.keystr(p)) for p, _ in flat)
+
+
+def normalize_path(path: str) -> str:
+  for suffix in (".value", ".raw_value"):
+    if path.endswith(suffix):
+      return path[: -len(suffix)]
+  return path
+
+
+def layer_name(kind: str, paths: tuple) -> str:
+  """A readable layer name: the common prefix of its parameter paths."""
+  if not paths:
+    return kind
+  prefix = paths[0]
+  for p in paths[1:]:
+    i = 0
+    while i < min(len(prefix), len(p)) and prefix[i] == p[i]:
+      i += 1
+    prefix = prefix[:i]
+  if len(paths) > 1:
+    # Cut at the last complete key.
+    cut = max(prefix.rfind("]"), prefix.rfind("."))
+    prefix = prefix[: cut + 1] if cut >= 0 else prefix
+  return prefix or paths[0]
+
+

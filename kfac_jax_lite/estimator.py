@@ -1,0 +1,464 @@
+"""FisherEstimator and the one-pass loss / gradient / statistics function.
+
+The statistics of every block come from one ``jax.vjp`` of the loss function
+re-evaluated with zero perturbations at the tagged layer outputs
+(:func:`kfac_jax_lite.scanner.perturbed_fn`):
+
+* cotangent 1 on the loss gives the true gradient (and, for free, the
+  per-layer gradients of the mean loss);
+* cotangents :math:`c_s` at each loss tag's parameters ``z`` give the output
+  gradients :math:`J_s^T c_s` used by the Fisher factors. They are, per
+  estimation mode (``w`` the loss weight, ``S`` the number of sources):
+
+  - ``gradients``: :math:`\\sqrt{w/S}\\, \\nabla_z \\mathrm{nll}(z, \\hat y_s)`,
+    :math:`\\hat y_s \\sim p(y|z)` (Martens & Grosse 2015, sec. 5);
+  - ``empirical``: :math:`\\sqrt{w}\\, \\nabla_z \\mathrm{nll}(z, y)` with data
+    targets (so the Fisher scales by ``w``, not ``w²`` as TF K-FAC did);
+  - ``curvature_prop`` / ``curvature_prop_GGN``: :math:`\\sqrt{w/S}\\, B r_s`,
+    ``r`` Rademacher, ``B Bᵀ = F_R`` (Martens, Sutskever & Swersky 2012);
+  - ``exact`` / ``exact_GGN``: :math:`\\sqrt{w}\\, B e_k` for every output
+    coordinate ``k`` (``vmap``, no Python loop).
+
+  All sources are pulled back through the *same* linearisation with
+  ``jax.vmap`` over the cotangents; the forward pass runs once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_lite import blocks as blocks_lib
+from kfac_jax_lite import linalg
+from kfac_jax_lite import scanner
+from kfac_jax_lite.collection import LayerCollection
+
+MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN",
+         "exact", "exact_GGN")
+MODE_ALIASES = {
+    "fisher_gradients": "gradients", "fisher_empirical": "empirical",
+    "fisher_curvature_prop": "curvature_prop",
+    "ggn_curvature_prop": "curvature_prop_GGN", "fisher_exact": "exact",
+    "ggn_exact": "exact_GGN"}
+
+
+def canonical_mode(mode: str) -> str:
+  mode = MODE_ALIASES.get(mode, mode)
+  if mode not in MODES:
+    raise ValueError(
+        f"estimation_mode={mode!r} is unknown; choose one of {list(MODES)} "
+        f"(or kfac-jax's names {sorted(MODE_ALIASES)}).")
+  return mode
+
+
+class EstimatorState(NamedTuple):
+  blocks: tuple          # one block state per layer, in collection order
+  params_stats: Any      # EMA of the mean per-source gradient, or ()
+  params_weight: Any     # [] its EMA weight, or ()
+
+
+# ---------------------------------------------------------------------------
+# Cotangents at the loss tags.
+# ---------------------------------------------------------------------------
+
+
+def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
+  """Per loss, the stacked cotangents ``[S, *z.shape]`` (same S for all)."""
+  if mode == "empirical":
+    out = []
+    for i, (spec, z, y) in enumerate(zip(specs, zs, targets)):
+      if y is None:
+        raise ValueError(
+            f"estimation_mode='empirical' needs data targets, but loss tag "
+            f"{i} ({spec.kind}) was registered without targets. Pass "
+            "targets=... to its register_* call, or use 'gradients'.")
+      out.append((math.sqrt(spec.weight) * spec.nll_grad(z, y))[None])
+    return out
+  if mode in ("exact", "exact_GGN"):
+    cols = [math.sqrt(s.weight) * s.factor_columns(z)
+            for s, z in zip(specs, zs)]
+    total = sum(c.shape[0] for c in cols)
+    out, offset = [], 0
+    for c in cols:
+      pad = ((offset, total - offset - c.shape[0]),) + ((0, 0),) * (c.ndim - 1)
+      out.append(jnp.pad(c, pad))
+      offset += c.shape[0]
+    return out
+  keys = jax.random.split(key, len(specs))
+  out = []
+  for spec, z, k in zip(specs, zs, keys):
+    scale = math.sqrt(spec.weight / num_samples)
+    ks = jax.random.split(k, num_samples)
+    if mode == "gradients":
+      ct = jax.vmap(lambda kk, z=z, spec=spec: spec.nll_grad(
+          z, spec.sample(kk, z)))(ks)
+    else:  # curvature_prop(_GGN): B r with Rademacher r.
+      def one(kk, z=z, spec=spec):
+        r = jax.random.rademacher(kk, z.shape, dtype=jnp.float32)
+        return spec.fisher_factor(z, r)
+      ct = jax.vmap(one)(ks)
+    out.append(scale * ct)
+  return out
+
+
+def _site_layout(x, n_scan):
+  """``[T1..Tk, B, ...]`` -> ``[B, U, ...]`` (U = T1*..*Tk, 1 if no scan)."""
+  lead = x.shape[:n_scan]
+  x = x.reshape((int(math.prod(lead)),) + x.shape[n_scan:])
+  return jnp.moveaxis(x, 0, 1)
+
+
+def _grads_layout(g, n_scan):
+  """``[S, T1..Tk, B, ...]`` -> ``[S, B, U, ...]``."""
+  return jax.vmap(lambda x: _site_layout(x, n_scan))(g)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+  """Everything one linearisation of the loss function produced."""
+  loss: Any
+  aux: Any
+  grads: Any
+  layer_data: tuple
+  param_grads_all: Any   # [S, leaf] grads of the summed source losses, or None
+
+
+def _one_pass(collection, blocks, params, batch, key, mode, num_samples,
+              with_grads, need_all_param_grads):
+  traced = scanner.perturbed_fn(collection, params, batch)
+  (loss, zs), vjp_fn, (aux, records, targets) = jax.vjp(
+      traced.fn, params, traced.eps, has_aux=True)
+  grads = None
+  if with_grads:
+    grads = vjp_fn((jnp.ones_like(loss), tuple(jnp.zeros_like(z)
+                                               for z in zs)))[0]
+  cts = _loss_cotangents(mode, collection.losses, zs, targets, key,
+                         num_samples)
+  cts = tuple(c.astype(z.dtype) for c, z in zip(cts, zs))
+  generic = sorted({i for l, b in zip(collection.layers, blocks)
+                    if b.needs_param_grads for i in l.param_indices})
+
+  def pull(ct):
+    p_bar, eps_bar = vjp_fn((jnp.zeros_like(loss), ct))
+    leaves = jax.tree.leaves(p_bar)
+    if need_all_param_grads:
+      return leaves, eps_bar
+    return {i: leaves[i] for i in generic}, eps_bar
+
+  p_bars, eps_bars = jax.vmap(pull)(cts)
+  batch_size = zs[0].shape[0]
+  leaves = jax.tree.leaves(params)
+  sites_of = {}
+  for s in traced.sites:
+    sites_of.setdefault(s.leaves, []).append(s)
+  data = []
+  for layer, block in zip(collection.layers, blocks):
+    sites = sites_of.get(layer.param_indices, [])
+    data.append(blocks_lib.LayerData(
+        inputs=tuple(tuple(_site_layout(x, len(s.scan_lengths))
+                           for x in records[s.key]) for s in sites),
+        grads=tuple(_grads_layout(eps_bars[s.key], len(s.scan_lengths))
+                    for s in sites),
+        params=tuple(leaves[i] for i in layer.param_indices),
+        param_grads=tuple(p_bars[i] for i in layer.param_indices)
+        if block.needs_param_grads else (),
+        batch_size=batch_size))
+  return _Pass(loss=loss, aux=aux, grads=grads, layer_data=tuple(data),
+               param_grads_all=p_bars if need_all_param_grads else None)
+
+
+# ---------------------------------------------------------------------------
+# FisherEstimator.
+# ---------------------------------------------------------------------------
+
+
+def _group_key(block, state):
+  shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(state))
+  return (dataclasses.replace(block, layer=None), jax.tree.structure(state),
+          shapes)
+
+
+def _grouped(blocks, states, fn, extra=None):
+  """Applies ``fn(block, state, extra_i)`` per layer, vmapped per group.
+
+  Blocks that differ only in their layer (same type, layout, options and
+  state shapes) are stacked and run through one ``jax.vmap``, so the
+  compiled program has one eigendecomposition/inverse per *shape*, not per
+  layer.
+  """
+  extra = extra if extra is not None else [None] * len(blocks)
+  groups = {}
+  for i, (b, s) in enumerate(zip(blocks, states)):
+    groups.setdefault(_group_key(b, s), []).append(i)
+  out = [None] * len(blocks)
+  for idx in groups.values():
+    b = blocks[idx[0]]
+    if len(idx) == 1:
+      out[idx[0]] = fn(b, states[idx[0]], extra[idx[0]])
+      continue
+    stack = lambda *xs: jnp.stack(xs)  # noqa: E731
+    st = jax.tree.map(stack, *[states[i] for i in idx])
+    ex = None if extra[idx[0]] is None else jax.tree.map(
+        stack, *[extra[i] for i in idx])
+    res = jax.vmap(lambda s, e, b=b: fn(b, s, e))(st, ex)
+    for j, i in enumerate(idx):
+      out[i] = jax.tree.map(lambda x, j=j: x[j], res)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FisherEstimator:
+  """Block-diagonal curvature estimate for the layers of a collection.
+
+  Math: :math:`\\hat F = \\mathrm{diag}(\\hat F_1, \\dots, \\hat F_L)` with one
+  block per layer (Kronecker, diagonal, ...), each an exponential moving
+  average (zero-debiased) of minibatch statistics.
+
+  Args:
+    collection: from :func:`kfac_jax_lite.scan`.
+    cov_ema_decay: EMA decay ``ρ ∈ [0, 1)`` of the factors.
+    damping: default damping λ for :meth:`update_cache` (float or array).
+    exps: matrix powers to cache (``-1`` the inverse, ``-0.5``, ...).
+    estimation_mode: see the module docstring (kfac-jax names accepted).
+    compute_cholesky, compute_cholesky_inverse: cache Cholesky factors.
+    compute_params_stats: also keep the EMA of the mean per-source gradient
+      (in ``empirical`` mode: the mean gradient).
+    num_samples: target draws per example (``gradients``,
+      ``curvature_prop``).
+    damping_type: ``"pi"`` or ``"exact"``.
+    axis_name: average statistics over this ``pmap``/``shard_map`` axis.
+
+  Example:
+    >>> est = FisherEstimator(collection, damping=1e-3)
+    >>> state = est.init(params)
+    >>> state = est.update_curvature(state, params, batch, rng)
+    >>> state = est.update_cache(state)
+    >>> direction = est.multiply_inverse(state, grads)
+  """
+  collection: LayerCollection
+  cov_ema_decay: Any = 0.95
+  damping: Any = 1e-3
+  exps: tuple = (-1,)
+  estimation_mode: str = "gradients"
+  compute_cholesky: bool = False
+  compute_cholesky_inverse: bool = False
+  compute_params_stats: bool = False
+  num_samples: int = 1
+  damping_type: str = "pi"
+  axis_name: Optional[str] = None
+
+  def __post_init__(self):
+    if not isinstance(self.collection, LayerCollection):
+      raise TypeError(
+          "FisherEstimator(collection=...) needs the LayerCollection returned "
+          f"by kfac_jax_lite.scan(...); got {type(self.collection).__name__}.")
+    object.__setattr__(self, "estimation_mode",
+                       canonical_mode(self.estimation_mode))
+    if isinstance(self.cov_ema_decay, (int, float)) and not (
+        0.0 <= self.cov_ema_decay < 1.0):
+      raise ValueError(
+          f"cov_ema_decay={self.cov_ema_decay!r} must be in [0, 1).")
+    if isinstance(self.damping, (int, float)) and self.damping < 0:
+      raise ValueError(f"damping={self.damping!r} must be >= 0.")
+    if not isinstance(self.num_samples, int) or self.num_samples < 1:
+      raise ValueError(
+          f"num_samples={self.num_samples!r} must be a positive int.")
+    exps = tuple(self.exps) if isinstance(self.exps, (list, tuple)) else (
+        self.exps,)
+    object.__setattr__(self, "exps", exps)
+    config = blocks_lib.BlockConfig(
+        exps=exps, compute_cholesky=self.compute_cholesky,
+        compute_cholesky_inverse=self.compute_cholesky_inverse,
+        damping_type=self.damping_type)
+    object.__setattr__(self, "_blocks", tuple(
+        blocks_lib.make_block(l, config) for l in self.collection.layers))
+
+  @property
+  def blocks(self) -> tuple:
+    return self._blocks  # pylint: disable=no-member
+
+  # ---- state -------------------------------------------------------------
+  def init(self, params) -> EstimatorState:
+    self.collection.check_params(params)
+    ps, pw = (), ()
+    if self.compute_params_stats:
+      ps = jax.tree.map(lambda x: jnp.zeros(x.shape, linalg.factor_dtype()),
+                        params)
+      pw = jnp.zeros((), linalg.factor_dtype())
+    return EstimatorState(blocks=tuple(b.init() for b in self.blocks),
+                          params_stats=ps, params_weight=pw)
+
+  # ---- statistics --------------------------------------------------------
+  def _pass(self, params, batch, rng, with_grads):
+    return _one_pass(self.collection, self.blocks, params, batch, rng,
+                     self.estimation_mode, self.num_samples, with_grads,
+                     self.compute_params_stats)
+
+  def _stats_from_pass(self, p: _Pass, params):
+    block_stats = tuple(b.compute_stats(d)
+                        for b, d in zip(self.blocks, p.layer_data))
+    params_stats = ()
+    if self.compute_params_stats:
+      batch_size = p.layer_data[0].batch_size if p.layer_data else 1
+      leaves = [jnp.sum(g, axis=0).astype(linalg.factor_dtype()) / batch_size
+                for g in p.param_grads_all]
+      params_stats = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    stats = {"blocks": block_stats, "params": params_stats}
+    if self.axis_name is not None:
+      stats = jax.lax.pmean(stats, self.axis_name)
+    return stats
+
+  def compute_stats(self, params, batch, rng):
+    """Minibatch statistics of every block (one forward pass, no gradient)."""
+    return self._stats_from_pass(self._pass(params, batch, rng, False),
+                                 params)
+
+  def update_curvature(self, state: EstimatorState, params=None, batch=None,
+                       rng=None, *, stats=None, ema_decay=None):
+    """Folds one minibatch into the factors (zero-debiased EMA).
+
+    Give either ``(params, batch, rng)`` or ``stats`` (from
+    :func:`value_grad_and_stats` or :meth:`compute_stats`).
+    """
+    if (batch is None) == (stats is None):
+      raise ValueError(
+          "update_curvature needs exactly one of batch=... (statistics are "
+          "computed from it) or stats=... (from value_grad_and_stats); got "
+          f"{'both' if batch is not None else 'neither'}.")
+    if stats is None:
+      if rng is None:
+        rng = jax.random.PRNGKey(0)
+      stats = self.compute_stats(params, batch, rng)
+    decay = self.cov_ema_decay if ema_decay is None else ema_decay
+    new_blocks = tuple(b.update_curvature(s, st, decay) for b, s, st in zip(
+        self.blocks, state.blocks, stats["blocks"]))
+    ps, pw = state.params_stats, state.params_weight
+    if self.compute_params_stats:
+      finite = linalg.all_finite(stats["params"])
+      new_ps, new_pw = linalg.ema(ps, stats["params"], pw, decay)
+      ps = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_ps, ps)
+      pw = jnp.where(finite, new_pw, pw)
+    return EstimatorState(blocks=new_blocks, params_stats=ps,
+                          params_weight=pw)
+
+  def update_cache(self, state: EstimatorState, damping=None):
+    """Refreshes inverses / powers / Cholesky factors at ``damping``."""
+    damping = self.damping if damping is None else damping
+    damping = jnp.asarray(damping, linalg.factor_dtype())
+    new = _grouped(self.blocks, state.blocks,
+                   lambda b, s, _: b.update_cache(s, damping))
+    return state._replace(blocks=tuple(new))
+
+  # ---- products ----------------------------------------------------------
+  def _split(self, v):
+    self.collection.check_params(v, "v")
+    leaves = jax.tree.leaves(v)
+    return leaves, [tuple(leaves[i] for i in l.param_indices)
+                    for l in self.collection.layers]
+
+  def _merge(self, v, leaves, parts):
+    leaves = list(leaves)
+    for layer, part in zip(self.collection.layers, parts):
+      for i, x in zip(layer.param_indices, part):
+        leaves[i] = x
+    return jax.tree.unflatten(jax.tree.structure(v), leaves)
+
+  def _apply(self, state, v, fn: Callable):
+    leaves, parts = self._split(v)
+    out = _grouped(self.blocks, state.blocks, fn, parts)
+    return self._merge(v, leaves, out)
+
+  def multiply_matpower(self, state, v, exp):
+    """``F̂^exp v`` (damped) for a params-shaped ``v``."""
+    for b in self.blocks:
+      blocks_lib.base.check_exp(b, exp)
+    return self._apply(state, v,
+                       lambda b, s, x: b.multiply_matpower(s, x, exp))
+
+  def multiply(self, state, v):
+    return self.multiply_matpower(state, v, 1)
+
+  def multiply_inverse(self, state, v):
+    return self.multiply_matpower(state, v, -1)
+
+  def multiply_cholesky(self, state, v, transpose=False):
+    return self._apply(state, v, lambda b, s, x: b.multiply_cholesky(
+        s, x, transpose))
+
+  def multiply_cholesky_inverse(self, state, v, transpose=False):
+    return self._apply(state, v, lambda b, s, x: b.multiply_cholesky_inverse(
+        s, x, transpose))
+
+  def full_fisher(self, state):
+    """Undamped dense block-diagonal ``[P, P]``, ``ravel_pytree`` order."""
+    sizes = [int(math.prod(s)) for s in _leaf_shapes(self.collection)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = sum(sizes)
+    out = jnp.zeros((total, total), linalg.factor_dtype())
+    for layer, b, s in zip(self.collection.layers, self.blocks, state.blocks):
+      idx = jnp.concatenate([jnp.arange(starts[i], starts[i] + sizes[i])
+                             for i in layer.param_indices])
+      out = out.at[idx[:, None], idx[None, :]].set(b.full_fisher_block(s))
+    return out
+
+  def params_stats(self, state):
+    if not self.compute_params_stats:
+      raise ValueError(
+          "params_stats needs FisherEstimator(compute_params_stats=True).")
+    return state.params_stats
+
+
+def _leaf_shapes(collection):
+  shapes = [None] * len(collection.leaf_paths)
+  for layer in collection.layers:
+    for i, s in zip(layer.param_indices, layer.param_shapes):
+      shapes[i] = s
+  return shapes
+
+
+# ---------------------------------------------------------------------------
+# One pass for loss, gradient and statistics.
+# ---------------------------------------------------------------------------
+
+
+def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
+                         estimation_mode: str = "gradients",
+                         has_aux: bool = False, num_samples: int = 1,
+                         estimator: Optional[FisherEstimator] = None):
+  """Loss, gradient and curvature statistics from one forward pass.
+
+  Returns ``fn(params, batch, rng) -> (loss_or_(loss, aux), grads, stats)``.
+  The gradient equals ``jax.grad(loss_fn)``; ``stats`` can be passed to
+  ``FisherEstimator.update_curvature(stats=...)`` or to the optax
+  transforms' ``update(..., stats=...)``.
+
+  Args:
+    loss_fn: the scanned loss function (must be ``collection.loss_fn``).
+    collection: its LayerCollection.
+    estimation_mode: as :class:`FisherEstimator`; must match the consumer.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``.
+    num_samples: target draws per example.
+    estimator: use this estimator's blocks and options instead.
+  """
+  if loss_fn is not collection.loss_fn:
+    raise ValueError(
+        "value_grad_and_stats(loss_fn=...) must be the function the "
+        "collection was scanned from (collection.loss_fn).")
+  if has_aux != collection.has_aux:
+    raise ValueError(
+        f"has_aux={has_aux} but the collection was scanned with "
+        f"has_aux={collection.has_aux}.")
+  est = estimator or FisherEstimator(
+      collection, estimation_mode=estimation_mode, num_samples=num_samples)
+
+  def fn(params, batch, rng):
+    p = est._pass(params, batch, rng, True)  # pylint: disable=protected-access
+    stats = est._stats_from_pass(p, params)  # pylint: disable=protected-access
+    out = (p.loss, p.aux) if has_aux else p.loss
+    return out, p.grads, stats
+
+  return fn

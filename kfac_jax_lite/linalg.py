@@ -1,0 +1,140 @@
+"""Damped matrix functions for curvature factors.
+
+Factors are symmetric PSD matrices estimated from data. Everything here works
+in :func:`factor_dtype` (float32, or float64 when ``jax_enable_x64`` is on),
+symmetrises its input and clips eigenvalues at zero.
+
+References:
+  Martens & Grosse (2015), "Optimizing neural networks with Kronecker-factored
+  approximate curvature", sec. 6.3 (factored Tikhonov damping, eq. 13-14:
+  the pi-adjustment).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def factor_dtype():
+  """float64 when x64 is enabled, else float32 (whatever the params' dtype)."""
+  return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+
+
+def symmetrize(m):
+  return 0.5 * (m + m.T)
+
+
+def safe_eigh(m):
+  """Eigendecomposition of a symmetric PSD matrix, eigenvalues clipped at 0.
+
+  Returns:
+    ``(s, u)`` with ``m ≈ u diag(s) uᵀ`` and ``s >= 0``.
+  """
+  s, u = jnp.linalg.eigh(symmetrize(m.astype(factor_dtype())))
+  return jnp.maximum(s, 0.0), u
+
+
+def trace_norm(m):
+  """``tr(m) / dim``; ``m`` is a matrix, or a vector holding a diagonal."""
+  if m.ndim == 1:
+    return jnp.mean(m)
+  return jnp.trace(m) / m.shape[0]
+
+
+def pi_adjusted_damping(a, g, damping):
+  """Splits Tikhonov damping between two Kronecker factors.
+
+  .. math::
+    \\pi = \\sqrt{\\frac{\\mathrm{tr}(A)/\\dim A}{\\mathrm{tr}(G)/\\dim G}},
+    \\qquad (A + \\pi\\sqrt{\\lambda} I) \\otimes
+    (G + \\tfrac{\\sqrt{\\lambda}}{\\pi} I)
+
+  (Martens & Grosse 2015, sec. 6.3). ``pi`` is 1 when either trace is 0.
+
+  Args:
+    a: input factor (matrix, or vector for a diagonal factor).
+    g: output factor (matrix or vector).
+    damping: the (already normalised) damping :math:`\\lambda'`.
+
+  Returns:
+    ``(damping_a, damping_g)``.
+  """
+  ta, tg = trace_norm(a), trace_norm(g)
+  ok = (ta > 0) & (tg > 0)
+  pi = jnp.where(ok, jnp.sqrt(jnp.where(ok, ta / jnp.where(ok, tg, 1.0),
+                                        1.0)), 1.0)
+  root = jnp.sqrt(damping)
+  return pi * root, root / pi
+
+
+def damped_power(m, damping, exp):
+  """``(m + damping I)^exp`` for a symmetric PSD ``m`` (matrix or diagonal).
+
+  ``exp == -1`` on a matrix uses a Cholesky solve; other exponents an
+  eigendecomposition with clipped eigenvalues.
+  """
+  m = m.astype(factor_dtype())
+  if m.ndim == 1:
+    return jnp.power(jnp.maximum(m, 0.0) + damping, exp)
+  eye = jnp.eye(m.shape[0], dtype=m.dtype)
+  if exp == -1:
+    c = jax.scipy.linalg.cho_factor(symmetrize(m) + damping * eye, lower=True)
+    inv = jax.scipy.linalg.cho_solve(c, eye)
+    return symmetrize(inv)
+  s, u = safe_eigh(m)
+  return (u * jnp.power(s + damping, exp)) @ u.T
+
+
+def damped_cholesky(m, damping):
+  """Lower Cholesky factor of ``m + damping I`` (diagonal: elementwise sqrt)."""
+  m = m.astype(factor_dtype())
+  if m.ndim == 1:
+    return jnp.sqrt(jnp.maximum(m, 0.0) + damping)
+  eye = jnp.eye(m.shape[0], dtype=m.dtype)
+  return jnp.linalg.cholesky(symmetrize(m) + damping * eye)
+
+
+def lower_triangular_inverse(chol):
+  """``L⁻¹`` for a lower-triangular ``L`` (diagonal: reciprocal)."""
+  if chol.ndim == 1:
+    return 1.0 / chol
+  eye = jnp.eye(chol.shape[0], dtype=chol.dtype)
+  return jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
+
+
+def matmul_left(m, v):
+  """``m @ v`` where ``m`` is a matrix or a vector holding a diagonal."""
+  return m[:, None] * v if m.ndim == 1 else m @ v
+
+
+def matmul_right(v, m):
+  """``v @ m`` where ``m`` is a matrix or a vector holding a diagonal."""
+  return v * m[None, :] if m.ndim == 1 else v @ m
+
+
+def as_matrix(m):
+  """A diagonal stored as a vector becomes a matrix; matrices pass."""
+  return jnp.diag(m) if m.ndim == 1 else m
+
+
+def ema(old, new, weight, decay):
+  """Zero-debiased exponential moving average.
+
+  With :math:`w_t = \\rho w_{t-1} + 1`,
+  :math:`x_t = (\\rho w_{t-1} x_{t-1} + s_t) / w_t`, the exactly debiased
+  average :math:`\\sum_k \\rho^k s_{t-k} / \\sum_k \\rho^k`: after one update
+  it equals the first statistic (TF K-FAC ``MovingAverageVariable``).
+
+  Returns:
+    ``(new_value, new_weight)``.
+  """
+  w = decay * weight + 1.0
+  return jax.tree.map(lambda o, n: (decay * weight * o + n) / w, old, new), w
+
+
+def all_finite(tree) -> jnp.ndarray:
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.array(True)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))

@@ -1,0 +1,396 @@
+"""Layer and loss tags: identity primitives that mark curvature structure.
+
+A tag returns its first operand unchanged, in value and in gradient. Its other
+operands (layer inputs, parameters, targets) are only *observed*: the scanner
+(:mod:`kfac_jax_lite.scanner`) finds tags in the traced jaxpr, maps parameter
+operands back to parameter leaves, and at estimation time re-evaluates the
+function with a zero perturbation added to each tagged output, so that one
+``jax.vjp`` yields both the gradient and the curvature statistics.
+
+Two primitives carry every tag:
+
+* ``kfac_layer_tag(y, *inputs, *params; kind, n_inputs, meta)`` for layers;
+* ``kfac_loss_tag(z, [targets]; kind, meta)`` for predictive distributions.
+
+``meta`` is a sorted tuple of ``(name, value)`` pairs of static (hashable)
+values: strides, padding, the requested approximation, the loss weight, ...
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+# --------------------------------------------------------------------------
+# Primitives.
+# --------------------------------------------------------------------------
+
+layer_tag_p = jex_core.Primitive("kfac_layer_tag")
+loss_tag_p = jex_core.Primitive("kfac_loss_tag")
+
+LAYER_KINDS = (
+    "fully_connected", "conv", "depthwise_conv", "separable_conv", "embedding",
+    "scale_and_shift", "generic")
+LOSS_KINDS = ("categorical", "normal", "multi_bernoulli")
+
+
+def _identity_impl(y, *unused_operands, **unused_params):
+  return y
+
+
+def _identity_abstract_eval(y, *unused_operands, **unused_params):
+  return y
+
+
+def _make_jvp(prim):
+  def jvp(primals, tangents, **params):
+    out = prim.bind(*primals, **params)
+    t_y = tangents[0]
+    if type(t_y) is ad.Zero:  # pylint: disable=unidiomatic-typecheck
+      t_y = ad.instantiate_zeros(t_y)
+    return out, t_y
+  return jvp
+
+
+def _make_batcher(prim):
+  def batcher(args, dims, **params):
+    # Move every batched operand's batch axis to the front; unbatched
+    # operands (typically parameters under ``vmap(in_axes=None)``) stay.
+    moved = [a if d is None else jnp.moveaxis(a, d, 0)
+             for a, d in zip(args, dims)]
+    y_dim = None if dims[0] is None else 0
+    return prim.bind(*moved, **params), y_dim
+  return batcher
+
+
+for _p in (layer_tag_p, loss_tag_p):
+  _p.def_impl(_identity_impl)
+  _p.def_abstract_eval(_identity_abstract_eval)
+  ad.primitive_jvps[_p] = _make_jvp(_p)
+  batching.primitive_batchers[_p] = _make_batcher(_p)
+  mlir.register_lowering(
+      _p, mlir.lower_fun(_identity_impl, multiple_results=False))
+
+
+def meta_dict(eqn_params) -> dict:
+  """The static metadata of a tag equation as a dict."""
+  return dict(eqn_params["meta"])
+
+
+def _freeze(value):
+  if isinstance(value, (list, tuple)):
+    return tuple(_freeze(v) for v in value)
+  if isinstance(value, dict):
+    return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+  return value
+
+
+def _static_meta(**kwargs) -> tuple:
+  items = []
+  for k, v in sorted(kwargs.items()):
+    v = _freeze(v)
+    try:
+      hash(v)
+    except TypeError as e:
+      raise TypeError(
+          f"Tag argument {k}={v!r} must be a static (hashable) value such as "
+          "a Python number, string or tuple; got an unhashable "
+          f"{type(v).__name__}.") from e
+    if isinstance(v, jax.core.Tracer):
+      raise TypeError(
+          f"Tag argument {k} must be a static Python value, not a traced "
+          "array. Pass a Python float/int/tuple.")
+    items.append((k, v))
+  return tuple(items)
+
+
+def _check_array(name: str, value, fn: str):
+  if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+    raise TypeError(
+        f"{fn}: argument {name} must be an array, got {type(value).__name__}.")
+
+
+def _layer_tag(kind: str, y, inputs: Sequence[Any], params: Sequence[Any],
+               fn: str, **meta):
+  for i, a in enumerate((y, *inputs, *params)):
+    _check_array(("y", *[f"input{j}" for j in range(len(inputs))],
+                  *[f"param{j}" for j in range(len(params))])[i], a, fn)
+  return layer_tag_p.bind(
+      y, *inputs, *params, kind=kind, n_inputs=len(inputs),
+      meta=_static_meta(**meta))
+
+
+# --------------------------------------------------------------------------
+# Layer registration functions.
+# --------------------------------------------------------------------------
+
+
+def register_dense(y, x, w, b=None, *, approx: Optional[str] = None):
+  """Tags a dense layer ``y = x @ w + b``.
+
+  .. math:: y_{\\ldots,j} = \\sum_i x_{\\ldots,i} w_{ij} + b_j
+
+  The layer's Fisher block is approximated by the Kronecker product
+  :math:`F \\approx A \\otimes G` with :math:`A = E[\\bar a \\bar a^T]`
+  (:math:`\\bar a` the input with a trailing 1 for the bias) and
+  :math:`G = E[g g^T]` (:math:`g` the loss gradient at ``y``); Martens &
+  Grosse (2015), eq. (1)-(3).
+
+  Args:
+    y: the layer output, ``[..., d_out]``. Returned unchanged.
+    x: the layer input, ``[..., d_in]``; leading axis is the batch.
+    w: the kernel ``[d_in, d_out]`` (a parameter leaf, possibly cast).
+    b: optional bias ``[d_out]``.
+    approx: one of ``kron`` (default), ``kron_in_diag``, ``kron_out_diag``,
+      ``kron_both_diag``, ``diagonal``, ``full``; or for multi-use layers
+      ``kron_indep``, ``kron_series_1``, ``kron_series_2``.
+
+  Returns:
+    ``y``, unchanged.
+
+  Example:
+    >>> y = register_dense(x @ w + b, x, w, b)
+  """
+  params = (w,) if b is None else (w, b)
+  return _layer_tag("fully_connected", y, (x,), params, "register_dense",
+                    approx=approx)
+
+
+register_fully_connected = register_dense
+
+
+def register_conv(y, x, w, b=None, *, window_strides, padding,
+                  rhs_dilation=None, lhs_dilation=None,
+                  dimension_numbers=None, feature_group_count: int = 1,
+                  approx: Optional[str] = None):
+  """Tags ``y = lax.conv_general_dilated(x, w, ...) + b`` (1-, 2-, 3-D).
+
+  The KFC approximation (Grosse & Martens 2016, eq. 23) is
+  :math:`F \\approx |\\mathcal{T}|\\, \\Omega \\otimes \\Gamma` with
+  :math:`\\Omega` the second moment of the input patches and
+  :math:`\\Gamma` that of the output gradients, both averaged over examples
+  and the :math:`|\\mathcal{T}|` spatial locations.
+
+  Args:
+    y: the convolution output (plus bias). Returned unchanged.
+    x: the convolution input.
+    w: the kernel, ``[*spatial, c_in, c_out]`` in the default layout.
+    b: optional bias ``[c_out]``.
+    window_strides, padding, rhs_dilation, lhs_dilation, dimension_numbers,
+      feature_group_count: as for ``lax.conv_general_dilated``; padding may
+      be ``"SAME"``, ``"VALID"`` or explicit pairs.
+    approx: ``kron`` (default), ``diagonal`` or ``kron_sua``.
+  """
+  params = (w,) if b is None else (w, b)
+  if isinstance(dimension_numbers, jax.lax.ConvDimensionNumbers):
+    dimension_numbers = tuple(tuple(d) for d in dimension_numbers)
+  return _layer_tag(
+      "conv", y, (x,), params, "register_conv",
+      window_strides=tuple(window_strides),
+      padding=padding if isinstance(padding, str) else tuple(
+          tuple(p) for p in padding),
+      rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
+      lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
+      dimension_numbers=dimension_numbers,
+      feature_group_count=int(feature_group_count), approx=approx)
+
+
+register_convolution = register_conv
+
+
+def _strides_2d(strides, name: str):
+  strides = tuple(strides) if isinstance(strides, (list, tuple)) else (
+      strides, strides)
+  if len(strides) == 4:
+    strides = strides[1:3]
+  if len(strides) != 2:
+    raise ValueError(
+        f"{name}={strides!r}: give 2 spatial values or TF's 4-element form "
+        "[1, sh, sw, 1].")
+  return strides
+
+
+def register_conv2d(y, x, w, b=None, *, strides, padding, dilations=None,
+                    data_format: str = "NHWC", approx: Optional[str] = None):
+  """2-D convolution with TensorFlow's argument names; see register_conv."""
+  if data_format not in ("NHWC", "NCHW"):
+    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
+  dn = (data_format, "HWIO", data_format)
+  return register_conv(
+      y, x, w, b, window_strides=_strides_2d(strides, "strides"),
+      padding=padding,
+      rhs_dilation=None if dilations is None else _strides_2d(
+          dilations, "dilations"),
+      dimension_numbers=dn, approx=approx)
+
+
+def register_depthwise_conv2d(y, x, w, *, strides, padding, rate=None,
+                              data_format: str = "NHWC",
+                              approx: Optional[str] = None):
+  """Tags a depthwise 2-D convolution with kernel ``[h, w, C, M]``.
+
+  The block works on the equivalent dense filter ``[h, w, C, C*M]`` that is
+  zero off the channel diagonal (TF K-FAC ``DepthwiseConv*FB``).
+  """
+  if data_format not in ("NHWC", "NCHW"):
+    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
+  return _layer_tag(
+      "depthwise_conv", y, (x,), (w,), "register_depthwise_conv2d",
+      window_strides=_strides_2d(strides, "strides"), padding=padding,
+      rhs_dilation=None if rate is None else _strides_2d(rate, "rate"),
+      data_format=data_format, approx=approx)
+
+
+def register_separable_conv2d(y, x, depthwise_w, pointwise_w, depthwise_y,
+                              b=None, *, strides, padding, rate=None,
+                              data_format: str = "NHWC",
+                              approx: Optional[str] = None):
+  """Tags a separable conv: a depthwise conv, then a 1x1 pointwise conv.
+
+  One tag covers both parts. The pointwise part is a 1x1 convolution on
+  ``depthwise_y`` (``approx``: ``kron`` or ``diagonal``); the depthwise part
+  gets the ``diagonal`` block of ``register_depthwise_conv2d``, its output
+  gradient recovered as :math:`g_{dw} = g_y W_{pw}^T` (the 1x1 conv's
+  transpose), so ``depthwise_y`` needs no tag of its own.
+  """
+  if data_format not in ("NHWC", "NCHW"):
+    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
+  params = (depthwise_w, pointwise_w) + (() if b is None else (b,))
+  return _layer_tag(
+      "separable_conv", y, (x, depthwise_y), params,
+      "register_separable_conv2d",
+      window_strides=_strides_2d(strides, "strides"), padding=padding,
+      rhs_dilation=None if rate is None else _strides_2d(rate, "rate"),
+      data_format=data_format, approx=approx)
+
+
+def register_embedding(y, ids, table, *, approx: Optional[str] = None):
+  """Tags an embedding lookup ``y = table[ids]``.
+
+  The input factor is the diagonal of lookup frequencies
+  :math:`A = \\mathrm{diag}(E[\\mathrm{counts}])` (exact when each example
+  looks up one id), the output factor :math:`G = E[g g^T]` is dense. No
+  ``vocab x vocab`` matrix is ever built.
+
+  Args:
+    y: the looked-up embeddings, ``ids.shape + (d,)``.
+    ids: integer ids, ``[B]`` or ``[B, k]``.
+    table: the ``[vocab, d]`` table.
+    approx: ``kron`` (default).
+  """
+  return _layer_tag("embedding", y, (ids,), (table,), "register_embedding",
+                    approx=approx)
+
+
+def register_scale_and_shift(y, x, scale, shift=None, *,
+                             approx: Optional[str] = None):
+  """Tags ``y = x * scale + shift`` (LayerNorm, BatchNorm, RMSNorm params).
+
+  Args:
+    y: the output. Returned unchanged.
+    x: the normalised input, broadcast against ``scale``.
+    scale: the scale parameter.
+    shift: optional shift parameter.
+    approx: ``full`` (default) or ``diagonal``.
+  """
+  params = (scale,) if shift is None else (scale, shift)
+  return _layer_tag("scale_and_shift", y, (x,), params,
+                    "register_scale_and_shift", approx=approx)
+
+
+def register_generic(params, *, approx: Optional[str] = None):
+  """Registers parameters without layer structure (naive diagonal or full).
+
+  The Fisher block is estimated from the parameters' own gradients,
+  :math:`F \\approx \\frac{1}{B} (\\sum_b g_b)(\\sum_b g_b)^T` (TF K-FAC's
+  ``NaiveFullFB`` / ``NaiveDiagonalFB``).
+
+  Args:
+    params: an array, or a pytree of arrays, that are parameter leaves.
+    approx: ``diagonal`` (default) or ``full``.
+
+  Returns:
+    ``params``, unchanged.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  if not leaves:
+    raise ValueError("register_generic(params=...) got no arrays.")
+  out = _layer_tag("generic", leaves[0], (), tuple(leaves),
+                   "register_generic", approx=approx)
+  return jax.tree.unflatten(treedef, [out, *leaves[1:]])
+
+
+# --------------------------------------------------------------------------
+# Loss registration functions.
+# --------------------------------------------------------------------------
+
+
+def _loss_tag(kind, z, targets, fn, **meta):
+  _check_array("logits/mean", z, fn)
+  operands = (z,) if targets is None else (z, targets)
+  if targets is not None:
+    _check_array("targets", targets, fn)
+  for k in ("weight", "var"):
+    if k in meta:
+      v = meta[k]
+      if isinstance(v, jax.core.Tracer) or not isinstance(
+          v, (int, float)) or isinstance(v, bool):
+        raise TypeError(
+            f"{fn}: {k}={v!r} must be a Python float (a static value).")
+      if v <= 0:
+        raise ValueError(f"{fn}: {k}={v!r} must be positive.")
+      meta[k] = float(v)
+  return loss_tag_p.bind(*operands, kind=kind, meta=_static_meta(
+      has_targets=targets is not None, **meta))
+
+
+def register_categorical_predictive_distribution(logits, targets=None, *,
+                                                 weight: float = 1.0):
+  """Registers a categorical distribution over the last axis of ``logits``.
+
+  Its Fisher with respect to the logits is :math:`F_R = \\mathrm{diag}(p) -
+  p p^T`. ``targets`` are integer class ids (needed for ``empirical``).
+  ``weight`` multiplies this loss's contribution to the Fisher.
+  """
+  return _loss_tag("categorical", logits, targets,
+                   "register_categorical_predictive_distribution",
+                   weight=weight)
+
+
+register_softmax_cross_entropy_loss = (
+    register_categorical_predictive_distribution)
+
+
+def register_normal_predictive_distribution(mean, targets=None, *,
+                                            var: float = 0.5,
+                                            weight: float = 1.0):
+  """Registers a Normal with fixed scalar variance ``var`` around ``mean``.
+
+  :math:`F_R = I / \\mathrm{var}`; ``var=0.5`` corresponds to the loss
+  :math:`\\sum (y - \\mu)^2` per example.
+  """
+  return _loss_tag("normal", mean, targets,
+                   "register_normal_predictive_distribution",
+                   var=var, weight=weight)
+
+
+register_squared_error_loss = register_normal_predictive_distribution
+
+
+def register_multi_bernoulli_predictive_distribution(logits, targets=None, *,
+                                                     weight: float = 1.0):
+  """Registers independent Bernoullis with the given logits.
+
+  :math:`F_R = \\mathrm{diag}(p (1 - p))`, :math:`p = \\sigma(z)`.
+  """
+  return _loss_tag("multi_bernoulli", logits, targets,
+                   "register_multi_bernoulli_predictive_distribution",
+                   weight=weight)
+
+
+register_sigmoid_cross_entropy_loss = (
+    register_multi_bernoulli_predictive_distribution)
