@@ -33,6 +33,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import collection as collection_lib
 from kfac_jax_lite import losses as losses_lib
 from kfac_jax_lite import tags
@@ -268,12 +269,10 @@ def find_sites(loss_fn, params, batch, has_aux=False, leaf_paths=None):
 
 
 def _site_uses(site: Site) -> int:
-  """Uses contributed by one site: scan steps x inner (non-batch) axes."""
+  """Uses contributed by one site: scan steps x the kind's inner uses."""
   uses = int(math.prod(site.scan_lengths)) if site.scan_lengths else 1
-  if site.kind in ("fully_connected",) and site.input_avals:
-    x_shape = site.input_avals[0].shape
-    uses *= int(math.prod(x_shape[1:-1])) if len(x_shape) > 2 else 1
-  return uses
+  return uses * blocks_lib.inner_uses(
+      site.kind, tuple(a.shape for a in site.input_avals))
 
 
 def _check_params(params):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 from kfac_jax_lite.blocks import diagonal
 from kfac_jax_lite.blocks import kronecker
 from kfac_jax_lite.blocks.base import BlockConfig, LayerData
 from kfac_jax_lite.collection import Layer
 
-__all__ = ["BlockConfig", "LayerData", "make_block"]
+__all__ = ["BlockConfig", "LayerData", "inner_uses", "make_block"]
 
 # (kind, approx) -> constructor(layer, config).
 _FACTORIES = {
@@ -18,6 +20,17 @@ _FACTORIES = {
     ("fully_connected", "kron_indep"): kronecker.dense_block,
     ("generic", "diagonal"): diagonal.NaiveDiagonalBlock,
 }
+
+
+def inner_uses(kind: str, input_shapes: tuple) -> int:
+  """Uses of a layer per example at one tag site, outside any ``lax.scan``.
+
+  A dense layer applied to ``x: [B, T, ..., d_in]`` is used ``T·...`` times
+  per example (each position is one use of the weights).
+  """
+  if kind == "fully_connected" and input_shapes and len(input_shapes[0]) > 2:
+    return int(math.prod(input_shapes[0][1:-1]))
+  return 1
 
 
 def make_block(layer: Layer, config: BlockConfig | None = None):
