@@ -26,6 +26,11 @@ import jax
 import jax.numpy as jnp
 
 
+def _up(x):
+  """At least float32 (bf16/f16 logits are promoted; float64 stays)."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
   """A registered loss tag (static description).
@@ -46,16 +51,16 @@ class LossSpec:
   # ---- per-example log-likelihood -------------------------------------
   def nll(self, z, y):
     """Per-example negative log-likelihood ``[B]`` (sums inner positions)."""
-    z = z.astype(jnp.float32)
+    z = _up(z)
     if self.kind == "categorical":
       logp = jax.nn.log_softmax(z, axis=-1)
       y = y.astype(jnp.int32)
       val = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
     elif self.kind == "normal":
-      val = (0.5 / self.var) * jnp.square(y.astype(jnp.float32) - z)
+      val = (0.5 / self.var) * jnp.square(y.astype(z.dtype) - z)
       val = val + 0.5 * math.log(2 * math.pi * self.var)
     elif self.kind == "multi_bernoulli":
-      y = y.astype(jnp.float32)
+      y = y.astype(z.dtype)
       val = jnp.logaddexp(0.0, z) - y * z
     else:
       raise ValueError(f"Unknown loss kind {self.kind!r}.")
@@ -63,32 +68,33 @@ class LossSpec:
 
   def nll_grad(self, z, y):
     """:math:`\\partial\\, \\mathrm{nll}_b / \\partial z_b`, per example."""
-    z32 = z.astype(jnp.float32)
+    z32 = _up(z)
     if self.kind == "categorical":
       p = jax.nn.softmax(z32, axis=-1)
-      return p - jax.nn.one_hot(y, z.shape[-1], dtype=jnp.float32)
+      return p - jax.nn.one_hot(y, z.shape[-1], dtype=z32.dtype)
     if self.kind == "normal":
-      return (z32 - y.astype(jnp.float32)) / self.var
+      return (z32 - y.astype(z32.dtype)) / self.var
     if self.kind == "multi_bernoulli":
-      return jax.nn.sigmoid(z32) - y.astype(jnp.float32)
+      return jax.nn.sigmoid(z32) - y.astype(z32.dtype)
     raise ValueError(f"Unknown loss kind {self.kind!r}.")
 
   def sample(self, key, z):
     """Draws targets ``y ~ p(y | z)`` (same layout as data targets)."""
-    z32 = jax.lax.stop_gradient(z.astype(jnp.float32))
+    z32 = jax.lax.stop_gradient(_up(z))
     if self.kind == "categorical":
       return jax.random.categorical(key, z32, axis=-1)
     if self.kind == "normal":
-      return z32 + math.sqrt(self.var) * jax.random.normal(key, z.shape)
+      return z32 + math.sqrt(self.var) * jax.random.normal(
+          key, z.shape, z32.dtype)
     if self.kind == "multi_bernoulli":
       return jax.random.bernoulli(key, jax.nn.sigmoid(z32)).astype(
-          jnp.float32)
+          z32.dtype)
     raise ValueError(f"Unknown loss kind {self.kind!r}.")
 
   # ---- Fisher factor products (per example, per position) --------------
   def fisher_factor(self, z, v):
     """:math:`B v` with ``v`` of z's shape; :math:`F_R = B B^T`."""
-    z = z.astype(jnp.float32)
+    z = _up(z)
     if self.kind == "categorical":
       p = jax.nn.softmax(z, axis=-1)
       q = jnp.sqrt(p)
@@ -102,7 +108,7 @@ class LossSpec:
 
   def fisher_factor_transpose(self, z, u):
     """:math:`B^T u`."""
-    z = z.astype(jnp.float32)
+    z = _up(z)
     if self.kind == "categorical":
       p = jax.nn.softmax(z, axis=-1)
       q = jnp.sqrt(p)
@@ -133,7 +139,7 @@ class LossSpec:
     inner = z.shape[1:]
 
     def column(i):
-      e = jax.nn.one_hot(i, k, dtype=jnp.float32).reshape(inner)
+      e = jax.nn.one_hot(i, k, dtype=_up(z).dtype).reshape(inner)
       return self.fisher_factor(z, jnp.broadcast_to(e, z.shape))
     return jax.vmap(column)(jnp.arange(k))
 

@@ -1,0 +1,74 @@
+"""Small models and explicit reference computations shared by the tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kfac_jax_lite as kl
+
+
+def mlp_params(key, sizes, bias=True):
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    key, k = jax.random.split(key)
+    layer = {"w": jax.random.normal(k, (a, b)) / np.sqrt(a)}
+    if bias:
+      layer["b"] = 0.1 * jax.random.normal(jax.random.fold_in(k, 1), (b,))
+    params[f"layer{i}"] = layer
+  return params
+
+
+def mlp_forward(params, x, tag=True, act=jnp.tanh):
+  """Returns (logits, [(inputs, pre-activations)] per layer)."""
+  n = len(params)
+  trace = []
+  for i in range(n):
+    p = params[f"layer{i}"]
+    s = x @ p["w"] + (p["b"] if "b" in p else 0.0)
+    if tag:
+      s = kl.register_dense(s, x, p["w"], p.get("b"))
+    trace.append((x, s))
+    x = act(s) if i < n - 1 else s
+  return x, trace
+
+
+def classifier_loss(params, batch):
+  x, y = batch
+  logits, _ = mlp_forward(params, x)
+  kl.register_categorical_predictive_distribution(logits, y)
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def classification_batch(key, n, d, classes):
+  kx, ky = jax.random.split(key)
+  return (jax.random.normal(kx, (n, d)),
+          jax.random.randint(ky, (n,), 0, classes))
+
+
+def per_example_preactivation_grads(loss_fn_single, params, batch):
+  """∂ℓ_b/∂s_b for every layer: the gradient of example b's own loss.
+
+  ``loss_fn_single(params, x_b, y_b, perturbations)`` is the loss of one
+  example with additive perturbations at each layer's pre-activation.
+  """
+  x, y = batch
+
+  def one(xb, yb):
+    eps0 = loss_fn_single(params, xb, yb, None)
+    return jax.grad(lambda e: loss_fn_single(params, xb, yb, e))(eps0)
+
+  return jax.vmap(one)(x, y)
+
+
+def with_bias_column(x):
+  return np.concatenate([x, np.ones((x.shape[0], 1), x.dtype)], axis=1)
+
+
+def assert_trees_close(a, b, rtol):
+  """``‖a − b‖ ≤ rtol · ‖b‖`` per leaf (robust to round-off near zero)."""
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    assert x.shape == y.shape
+    err, ref = np.linalg.norm(x - y), np.linalg.norm(y)
+    assert err <= rtol * ref, f"relative error {err / ref:.3g} > {rtol}"

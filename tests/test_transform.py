@@ -1,0 +1,151 @@
+"""scale_by_kfac / kfac as optax transforms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_lite as kl
+from tests import helpers
+
+
+@pytest.fixture(name="problem", scope="module")
+def _problem():
+  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
+  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
+             for i in range(7)]
+  collection = kl.scan(helpers.classifier_loss, params, batches[0])
+  return params, batches, collection
+
+
+def _structure(state):
+  return (jax.tree.structure(state),
+          [(x.shape, x.dtype) for x in jax.tree.leaves(state)])
+
+
+def test_chain_jit_no_retrace_and_inverse_period(problem):
+  params, batches, c = problem
+  period = 3
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   kl.scale_by_kfac(c, inverse_update_period=period),
+                   optax.sgd(0.1))
+  state = tx.init(params)
+  traces = []
+
+  @jax.jit
+  def step(params, state, batch):
+    traces.append(1)
+    grads = jax.grad(helpers.classifier_loss)(params, batch)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state
+
+  before = _structure(state)
+  caches = []
+  for i, batch in enumerate(batches):
+    params, state = step(params, state, batch)
+    assert _structure(state) == before
+    kfac_state = state[1]
+    assert int(kfac_state.count) == i + 1
+    assert int(kfac_state.num_inverse_updates) == i // period + 1
+    assert int(kfac_state.num_cov_updates) == i + 1
+    caches.append(kfac_state.estimator.blocks[0].cache["a^-1"])
+  assert len(traces) == 1
+  # The cached inverse changes exactly at steps 0, 3, 6.
+  changed = [not np.array_equal(a, b) for a, b in zip(caches, caches[1:])]
+  assert changed == [False, False, True, False, False, True]
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
+
+
+def test_cov_update_period(problem):
+  params, batches, c = problem
+  tx = kl.scale_by_kfac(c, cov_update_period=2, inverse_update_period=2)
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
+  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+  factors = []
+  for b in batches[:4]:
+    _, state = step(grads, state, params, b)
+    factors.append(state.estimator.blocks[0].a)
+  assert int(state.num_cov_updates) == 2
+  assert np.array_equal(factors[0], factors[1])
+  assert not np.array_equal(factors[1], factors[2])
+
+
+def test_first_step_direction_is_damped_inverse(problem):
+  params, batches, c = problem
+  tx = kl.scale_by_kfac(c, damping=1e-2, estimation_mode="empirical")
+  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+  direction, _ = tx.update(grads, tx.init(params), params, batch=batches[0])
+  est = kl.FisherEstimator(c, estimation_mode="empirical", damping=1e-2)
+  s = est.update_cache(est.update_curvature(est.init(params), params,
+                                            batches[0]))
+  want = est.multiply_inverse(s, grads)
+  helpers.assert_trees_close(direction, want, rtol=1e-5)
+
+
+def test_stats_path_equals_batch_path(problem):
+  params, batches, c = problem
+  tx = kl.kfac(0.1, c, estimation_mode="empirical")
+  fn = kl.value_grad_and_stats(helpers.classifier_loss, c,
+                               estimation_mode="empirical")
+  loss, grads, stats = fn(params, batches[0], jax.random.PRNGKey(0))
+  u1, _ = tx.update(grads, tx.init(params), params, stats=stats)
+  u2, _ = tx.update(grads, tx.init(params), params, batch=batches[0])
+  np.testing.assert_allclose(loss, helpers.classifier_loss(params,
+                                                           batches[0]))
+  helpers.assert_trees_close(u1, u2, rtol=1e-5)
+
+
+def test_batch_and_stats_both_or_neither(problem):
+  params, batches, c = problem
+  tx = kl.kfac(0.1, c)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="batch=.*stats=.*neither"):
+    tx.update(params, state, params)
+  with pytest.raises(ValueError, match="both batch and stats"):
+    tx.update(params, state, params, batch=batches[0], stats={})
+
+
+def test_unknown_extra_args_are_ignored(problem):
+  params, batches, c = problem
+  tx = kl.kfac(0.1, c)
+  state = tx.init(params)
+  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+  u1, _ = tx.update(grads, state, params, batch=batches[0])
+  u2, _ = tx.update(grads, state, params, batch=batches[0], epoch=3)
+  for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"inverse_update_period": 0}, "inverse_update_period=0"),
+    ({"cov_update_period": 1.5}, "cov_update_period=1.5"),
+    ({"damping": -1.0}, "damping=-1.0"),
+    ({"cov_ema_decay": 1.0}, "cov_ema_decay=1.0"),
+    ({"estimation_mode": "fisher"}, "estimation_mode='fisher'"),
+    ({"power": 0.5}, "power=0.5"),
+])
+def test_bad_hyperparameters(problem, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    kl.scale_by_kfac(problem[2], **kwargs)
+
+
+def test_kfac_trains_faster_than_sgd_on_a_few_steps(problem):
+  params, batches, c = problem
+  batch = batches[0]
+
+  def run(tx, kfac_step):
+    p, s = params, tx.init(params)
+    for _ in range(10):
+      g = jax.grad(helpers.classifier_loss)(p, batch)
+      u, s = (tx.update(g, s, p, batch=batch) if kfac_step
+              else tx.update(g, s, p))
+      p = optax.apply_updates(p, u)
+    return helpers.classifier_loss(p, batch)
+
+  start = helpers.classifier_loss(params, batch)
+  kfac_loss = run(kl.kfac(0.3, c, damping=1e-2, momentum=0.0), True)
+  sgd_loss = run(optax.sgd(0.3), False)
+  assert kfac_loss < 0.5 * start
+  assert kfac_loss < sgd_loss
