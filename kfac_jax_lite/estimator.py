@@ -98,7 +98,8 @@ def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
           z, spec.sample(kk, z)))(ks)
     else:  # curvature_prop(_GGN): B r with Rademacher r.
       def one(kk, z=z, spec=spec):
-        r = jax.random.rademacher(kk, z.shape, dtype=jnp.float32)
+        r = jax.random.rademacher(
+            kk, z.shape, dtype=jnp.promote_types(z.dtype, jnp.float32))
         return spec.fisher_factor(z, r)
       ct = jax.vmap(one)(ks)
     out.append(scale * ct)

@@ -76,11 +76,17 @@ def test_first_step_direction_is_damped_inverse(problem):
   params, batches, c = problem
   tx = kl.scale_by_kfac(c, damping=1e-2, estimation_mode="empirical")
   grads = jax.grad(helpers.classifier_loss)(params, batches[0])
-  direction, _ = tx.update(grads, tx.init(params), params, batch=batches[0])
+  direction, _ = jax.jit(lambda s: tx.update(grads, s, params,
+                                              batch=batches[0]))(
+                                                  tx.init(params))
   est = kl.FisherEstimator(c, estimation_mode="empirical", damping=1e-2)
-  s = est.update_cache(est.update_curvature(est.init(params), params,
-                                            batches[0]))
-  want = est.multiply_inverse(s, grads)
+
+  @jax.jit
+  def reference(params, batch, grads):
+    s = est.update_cache(est.update_curvature(est.init(params), params,
+                                              batch))
+    return est.multiply_inverse(s, grads)
+  want = reference(params, batches[0], grads)
   helpers.assert_trees_close(direction, want, rtol=1e-5)
 
 
@@ -136,12 +142,16 @@ def test_kfac_trains_faster_than_sgd_on_a_few_steps(problem):
   batch = batches[0]
 
   def run(tx, kfac_step):
-    p, s = params, tx.init(params)
-    for _ in range(10):
+    @jax.jit
+    def step(p, s):
       g = jax.grad(helpers.classifier_loss)(p, batch)
       u, s = (tx.update(g, s, p, batch=batch) if kfac_step
               else tx.update(g, s, p))
-      p = optax.apply_updates(p, u)
+      return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for _ in range(10):
+      p, s = step(p, s)
     return helpers.classifier_loss(p, batch)
 
   start = helpers.classifier_loss(params, batch)

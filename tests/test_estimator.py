@@ -1,0 +1,296 @@
+"""FisherEstimator: estimation modes against explicit Fisher blocks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_lite as kl
+from tests import helpers
+
+SIZES = [4, 5, 4, 3]
+
+
+@pytest.fixture(name="x64", autouse=True)
+def _x64():
+  with jax.enable_x64(True):
+    yield
+
+
+def _register(kind, out, t, weight=1.0):
+  if kind == "categorical":
+    kl.register_categorical_predictive_distribution(out, t, weight=weight)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(out, t))
+  if kind == "normal":
+    kl.register_normal_predictive_distribution(out, t, var=0.5,
+                                               weight=weight)
+    return jnp.mean(jnp.sum((out - t) ** 2, axis=-1))
+  kl.register_multi_bernoulli_predictive_distribution(out, t, weight=weight)
+  return jnp.mean(jnp.sum(optax.sigmoid_binary_cross_entropy(out, t), -1))
+
+
+def _problem(kind, n=6, seed=0):
+  params = helpers.mlp_params(jax.random.PRNGKey(seed), SIZES)
+  kx, kt = jax.random.split(jax.random.PRNGKey(seed + 1))
+  x = jax.random.normal(kx, (n, SIZES[0]))
+  if kind == "categorical":
+    t = jax.random.randint(kt, (n,), 0, SIZES[-1])
+  elif kind == "normal":
+    t = jax.random.normal(kt, (n, SIZES[-1]))
+  else:
+    t = jax.random.bernoulli(kt, 0.5, (n, SIZES[-1])).astype(x.dtype)
+
+  def loss_fn(params, batch):
+    out, _ = helpers.mlp_forward(params, batch[0])
+    return _register(kind, out, batch[1])
+
+  return params, (x, t), loss_fn
+
+
+def _f_r(kind, z):
+  if kind == "categorical":
+    p = jax.nn.softmax(z)
+    return jnp.diag(p) - jnp.outer(p, p)
+  if kind == "normal":
+    return jnp.eye(z.shape[0]) / 0.5
+  p = jax.nn.sigmoid(z)
+  return jnp.diag(p * (1 - p))
+
+
+def _explicit_exact(kind, params, x):
+  """Per layer (A, G) with G = mean_b J_bᵀ F_R J_b, J_b = ∂z_b/∂s_b."""
+  n_layers = len(params)
+
+  def from_layer(i, s, xb):
+    h = s
+    for j in range(i, n_layers):
+      if j > i:
+        p = params[f"layer{j}"]
+        h = h @ p["w"] + p["b"]
+      if j < n_layers - 1:
+        h = jnp.tanh(h)
+    return h
+
+  _, trace = helpers.mlp_forward(params, x, tag=False)
+  out = []
+  for i, (inp, s) in enumerate(trace):
+    def g_b(sb, xb, i=i):
+      jac = jax.jacobian(lambda v: from_layer(i, v, xb))(sb)
+      z = from_layer(i, sb, xb)
+      return jac.T @ _f_r(kind, z) @ jac
+    g = jnp.mean(jax.vmap(g_b)(s, x), axis=0)
+    abar = helpers.with_bias_column(np.asarray(inp))
+    out.append((abar.T @ abar / len(x), np.asarray(g)))
+  return out
+
+
+@pytest.mark.parametrize("kind", ["categorical", "normal", "multi_bernoulli"])
+@pytest.mark.parametrize("mode", ["exact", "exact_GGN", "fisher_exact"])
+def test_exact_modes_equal_explicit_expectations(kind, mode):
+  params, batch, loss_fn = _problem(kind)
+  c = kl.scan(loss_fn, params, batch)
+  est = kl.FisherEstimator(c, estimation_mode=mode)
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b))(
+      params, batch)
+  for s, (a, g) in zip(state.blocks, _explicit_exact(kind, params, batch[0])):
+    np.testing.assert_allclose(s.a, a, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(s.g, g, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["categorical", "normal", "multi_bernoulli"])
+def test_single_example_full_fisher_equals_jacobian_fisher(kind):
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (3, 4)),
+            "b": jnp.arange(4.0) / 4}
+  x = jax.random.normal(jax.random.PRNGKey(1), (1, 3))
+  t = (jnp.array([2]) if kind == "categorical" else
+       jnp.ones((1, 4)) * 0.5)
+
+  def model(params, x):
+    return x @ params["w"] + params["b"]
+
+  def loss_fn(params, batch):
+    z = kl.register_dense(model(params, batch[0]), batch[0], params["w"],
+                          params["b"])
+    return _register(kind, z, batch[1])
+
+  c = kl.scan(loss_fn, params, (x, t))
+  est = kl.FisherEstimator(c, estimation_mode="exact")
+  state = est.update_curvature(est.init(params), params, (x, t))
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  jac = jax.jacobian(lambda f: model(unravel(f), x)[0])(flat)
+  want = jac.T @ _f_r(kind, model(params, x)[0]) @ jac
+  np.testing.assert_allclose(est.full_fisher(state), want, rtol=1e-10,
+                             atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["gradients", "curvature_prop",
+                                  "curvature_prop_GGN"])
+def test_sampled_modes_converge_to_exact(mode):
+  params, batch, loss_fn = _problem("categorical", n=3)
+  c = kl.scan(loss_fn, params, batch)
+  exact = kl.FisherEstimator(c, estimation_mode="exact")
+  ref = exact.update_curvature(exact.init(params), params, batch)
+  errors = []
+  for n in (16, 256, 4096):
+    est = kl.FisherEstimator(c, estimation_mode=mode, num_samples=n)
+    # Mean relative error over layers and 8 seeds: one draw is too noisy.
+    update = jax.jit(lambda key, est=est: est.update_curvature(
+        est.init(params), params, batch, key))
+    errs = []
+    for seed in range(8):
+      st = update(jax.random.PRNGKey(1000 * n + seed))
+      errs += [np.linalg.norm(s.g - r.g) / np.linalg.norm(r.g)
+               for s, r in zip(st.blocks, ref.blocks)]
+    errors.append(np.mean(errs))
+  # Monte-Carlo error ~ 1/sqrt(n): each 16x step should shrink it ~4x.
+  assert errors[1] < errors[0] / 2, errors
+  assert errors[2] < errors[1] / 2, errors
+  assert errors[2] < 0.05, errors
+
+
+def test_empirical_params_stats_is_mean_gradient_and_weight_is_linear():
+  params, batch, loss_fn = _problem("normal")
+  c = kl.scan(loss_fn, params, batch)
+  est = kl.FisherEstimator(c, estimation_mode="empirical",
+                           compute_params_stats=True)
+  state = est.update_curvature(est.init(params), params, batch)
+  # var=0.5, weight 1: the registered NLL is the loss itself.
+  helpers.assert_trees_close(est.params_stats(state),
+                             jax.grad(loss_fn)(params, batch), rtol=1e-10)
+
+  def weighted(params, batch):
+    out, _ = helpers.mlp_forward(params, batch[0])
+    return _register("normal", out, batch[1], weight=3.0)
+
+  cw = kl.scan(weighted, params, batch)
+  for mode in ("empirical", "exact", "curvature_prop"):
+    e1 = kl.FisherEstimator(c, estimation_mode=mode)
+    e3 = kl.FisherEstimator(cw, estimation_mode=mode)
+    key = jax.random.PRNGKey(3)
+    s1, s3 = jax.jit(lambda key, e1=e1, e3=e3: (
+        e1.update_curvature(e1.init(params), params, batch, key),
+        e3.update_curvature(e3.init(params), params, batch, key)))(key)
+    for b1, b3 in zip(s1.blocks, s3.blocks):
+      np.testing.assert_allclose(b3.g, 3.0 * b1.g, rtol=1e-10)
+      np.testing.assert_allclose(b3.a, b1.a, rtol=1e-12)
+
+
+def test_two_loss_tags_sum_their_fishers():
+  params, batch, _ = _problem("normal")
+  x, t = batch
+
+  def both(params, batch):
+    out, _ = helpers.mlp_forward(params, batch[0])
+    return (_register("normal", out, batch[1]) +
+            _register("multi_bernoulli", out, (batch[1] > 0).astype(
+                out.dtype)))
+
+  def only(kind):
+    def f(params, batch):
+      out, _ = helpers.mlp_forward(params, batch[0])
+      tt = batch[1] if kind == "normal" else (batch[1] > 0).astype(out.dtype)
+      return _register(kind, out, tt)
+    return f
+
+  states = []
+  for fn in (both, only("normal"), only("multi_bernoulli")):
+    c = kl.scan(fn, params, (x, t))
+    est = kl.FisherEstimator(c, estimation_mode="exact")
+    states.append(est.update_curvature(est.init(params), params, (x, t)))
+  for s, s1, s2 in zip(*[st.blocks for st in states]):
+    np.testing.assert_allclose(s.g, s1.g + s2.g, rtol=1e-10)
+
+
+def test_empirical_without_targets_raises():
+  params = {"w": jnp.ones((3, 2))}
+
+  def loss_fn(params, x):
+    z = kl.register_dense(x @ params["w"], x, params["w"])
+    kl.register_categorical_predictive_distribution(z)
+    return jnp.mean(jax.nn.logsumexp(z, axis=-1))
+
+  c = kl.scan(loss_fn, params, jnp.ones((2, 3)))
+  est = kl.FisherEstimator(c, estimation_mode="empirical")
+  with pytest.raises(ValueError, match="empirical.*needs data targets"):
+    est.update_curvature(est.init(params), params, jnp.ones((2, 3)))
+
+
+def test_unregistered_exponent_raises_naming_exps():
+  params, batch, loss_fn = _problem("normal")
+  c = kl.scan(loss_fn, params, batch)
+  est = kl.FisherEstimator(c, exps=(-1, -0.5))
+  state = est.update_cache(est.update_curvature(
+      est.init(params), params, batch, jax.random.PRNGKey(0)))
+  est.multiply_matpower(state, params, -0.5)
+  with pytest.raises(ValueError, match=r"exps=\[-1, -0.5\]"):
+    est.multiply_matpower(state, params, 2)
+
+
+def test_matrix_powers_and_cholesky_compose():
+  params, batch, loss_fn = _problem("normal")
+  c = kl.scan(loss_fn, params, batch)
+  est = kl.FisherEstimator(c, exps=(-1, 0.5, -0.5), compute_cholesky=True,
+                           compute_cholesky_inverse=True, damping=1e-2,
+                           estimation_mode="exact")
+  state = est.update_cache(est.update_curvature(est.init(params), params,
+                                                batch))
+  v = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype) + 1
+                                     ).reshape(a.shape), params)
+  fv = est.multiply(state, v)
+  helpers.assert_trees_close(
+      est.multiply_matpower(state, est.multiply_matpower(state, v, 0.5), 0.5),
+      fv, rtol=1e-9)
+  helpers.assert_trees_close(est.multiply(state, est.multiply_inverse(
+      state, v)), v, rtol=1e-9)
+  helpers.assert_trees_close(est.multiply_cholesky(
+      state, est.multiply_cholesky(state, v, transpose=True)), fv, rtol=1e-9)
+  helpers.assert_trees_close(est.multiply_cholesky_inverse(
+      state, est.multiply_cholesky(state, v)), v, rtol=1e-9)
+
+
+def _count_forward_matmuls(jaxpr, lhs_shape, rhs_shape):
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general" and tuple(
+        v.aval.shape for v in eqn.invars) == (lhs_shape, rhs_shape):
+      count += 1
+    for p in eqn.params.values():
+      for sub in p if isinstance(p, (tuple, list)) else (p,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          count += _count_forward_matmuls(inner, lhs_shape, rhs_shape)
+  return count
+
+
+def test_value_grad_and_stats_runs_the_forward_pass_once():
+  params, batch, loss_fn = _problem("categorical", n=7)
+  c = kl.scan(loss_fn, params, batch)
+  tx = kl.kfac(0.1, c)
+  state = tx.init(params)
+  fn = kl.value_grad_and_stats(loss_fn, c)
+
+  def one_pass(params, state, batch, key):
+    _, grads, stats = fn(params, batch, key)
+    return tx.update(grads, state, params, stats=stats)
+
+  def naive(params, state, batch, key):
+    del key
+    grads = jax.grad(loss_fn)(params, batch)
+    return tx.update(grads, state, params, batch=batch)
+
+  key = jax.random.PRNGKey(0)
+  shapes = ((7, SIZES[0]), (SIZES[0], SIZES[1]))
+  j1 = jax.make_jaxpr(one_pass)(params, state, batch, key).jaxpr
+  j2 = jax.make_jaxpr(naive)(params, state, batch, key).jaxpr
+  assert _count_forward_matmuls(j1, *shapes) == 1
+  assert _count_forward_matmuls(j2, *shapes) == 2
+
+  # Same gradient as jax.grad, same statistics as the separate path.
+  loss, grads, stats = fn(params, batch, key)
+  np.testing.assert_allclose(loss, loss_fn(params, batch), rtol=1e-12)
+  helpers.assert_trees_close(grads, jax.grad(loss_fn)(params, batch),
+                             rtol=1e-12)
+  est = kl.FisherEstimator(c)
+  helpers.assert_trees_close(stats, est.compute_stats(params, batch, key),
+                             rtol=1e-12)
