@@ -12,6 +12,8 @@ from kfac_jax_lite.estimator import EstimatorState
 from kfac_jax_lite.estimator import FisherEstimator
 from kfac_jax_lite.estimator import value_grad_and_stats
 from kfac_jax_lite.losses import LossSpec
+from kfac_jax_lite.optimizer import KFACOptimizerState
+from kfac_jax_lite.optimizer import kfac_optimizer
 from kfac_jax_lite.scanner import scan
 from kfac_jax_lite.tags import register_categorical_predictive_distribution
 from kfac_jax_lite.tags import register_conv

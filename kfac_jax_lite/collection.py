@@ -222,13 +222,22 @@ class LayerCollection:
           "leftovers as generic layers).")
 
   def check_params(self, params, argname: str = "params") -> None:
-    """Raises ``ValueError`` if ``params`` differ in structure from the scan."""
-    treedef = jax.tree.structure(params)
-    if treedef != self.params_treedef:
+    """Raises ``ValueError`` if ``params`` differ in structure from the scan.
+
+    Leaves are compared by normalised path, so a flax ``nnx.State`` of
+    ``Param`` variables and its ``nnx.as_pure`` arrays both match.
+    """
+    if jax.tree.structure(params) == self.params_treedef:
+      return
+    paths = leaf_paths_of(params)
+    if paths != self.leaf_paths:
+      missing = sorted(set(self.leaf_paths) - set(paths))[:3]
+      extra = sorted(set(paths) - set(self.leaf_paths))[:3]
       raise ValueError(
-          f"{argname} has tree structure {treedef}, but the LayerCollection "
-          f"was scanned with {self.params_treedef}. Pass the same parameter "
-          "pytree that was given to scan(), or scan again.")
+          f"{argname} does not match the parameters the LayerCollection was "
+          f"scanned with (missing {missing}, unexpected {extra}, "
+          f"{len(paths)} vs {len(self.leaf_paths)} leaves). Pass the same "
+          "parameter pytree that was given to scan(), or scan again.")
 
   def describe(self) -> str:
     """A human-readable table of layers, approximations and fallbacks."""

@@ -346,13 +346,25 @@ class FisherEstimator:
     return EstimatorState(blocks=new_blocks, params_stats=ps,
                           params_weight=pw)
 
-  def update_cache(self, state: EstimatorState, damping=None):
-    """Refreshes inverses / powers / Cholesky factors at ``damping``."""
+  def update_cache(self, state: EstimatorState, damping=None, layers=None):
+    """Refreshes inverses / powers / Cholesky factors at ``damping``.
+
+    Args:
+      state: the estimator state.
+      damping: λ (float or scalar array); None uses the constructor's.
+      layers: optional indices of the layers to refresh (others keep their
+        cache); used to stagger refreshes over several steps.
+    """
     damping = self.damping if damping is None else damping
     damping = jnp.asarray(damping, linalg.factor_dtype())
-    new = _grouped(self.blocks, state.blocks,
+    idx = range(len(self.blocks)) if layers is None else tuple(layers)
+    new = _grouped([self.blocks[i] for i in idx],
+                   [state.blocks[i] for i in idx],
                    lambda b, s, _: b.update_cache(s, damping))
-    return state._replace(blocks=tuple(new))
+    blocks = list(state.blocks)
+    for i, s in zip(idx, new):
+      blocks[i] = s
+    return state._replace(blocks=tuple(blocks))
 
   # ---- products ----------------------------------------------------------
   def _split(self, v):

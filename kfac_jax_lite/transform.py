@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -30,31 +31,154 @@ from kfac_jax_lite.collection import LayerCollection
 ScalarOrSchedule = Union[float, optax.Schedule]
 
 
-class ScaleByKFACState(NamedTuple):
-  count: jnp.ndarray               # [] int32, updates done
-  rng: jnp.ndarray                 # [2] uint32, key for sampled targets
-  num_cov_updates: jnp.ndarray     # [] int32, curvature updates done
-  num_inverse_updates: jnp.ndarray  # [] int32, cache refreshes done
-  estimator: estimator_lib.EstimatorState
-
-
-def _check_period(name, value):
+def check_period(name, value):
+  """A period is a positive int, or an integer scalar array (injected)."""
+  if isinstance(value, (jax.Array, jax.core.Tracer)) and jnp.issubdtype(
+      value.dtype, jnp.integer) and value.shape == ():
+    return
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(
         f"{name}={value!r} must be a positive int (a number of steps).")
 
 
-def _value(x, count):
+def check_nonnegative(name, value):
+  """Validates Python numbers; arrays (e.g. injected) are checked by users."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if value < 0:
+      raise ValueError(f"{name}={value!r} must be >= 0.")
+
+
+def unnest_kwargs(kwargs: dict, name: str) -> dict:
+  """``optax.inject_hyperparams`` re-calls a factory with its bound
+  signature, passing a ``**kwargs`` catch-all as one keyword ``name=dict``;
+  this flattens it back."""
+  kwargs = dict(kwargs)
+  kwargs.update(kwargs.pop(name, None) or {})
+  return kwargs
+
+
+def value_at(x, count):
+  """A hyperparameter's value at step ``count`` (float, array or schedule)."""
   return x(count) if callable(x) else x
 
 
 def check_batch_and_stats(batch, stats):
   if (batch is None) == (stats is None):
+    which = "both batch and stats" if batch is not None else (
+        "neither batch nor stats")
     raise ValueError(
         "update() needs exactly one of batch=... (K-FAC computes its "
         "statistics from the batch) or stats=... (from "
-        "value_grad_and_stats); got "
-        f"{'both batch and stats' if batch is not None else 'neither batch nor stats'}.")
+        f"value_grad_and_stats); got {which}.")
+
+
+class CurvatureState(NamedTuple):
+  count: jnp.ndarray                # [] int32, updates done
+  rng: jnp.ndarray                  # [2] uint32, key for sampled targets
+  num_cov_updates: jnp.ndarray      # [] int32, statistics updates done
+  num_inverse_updates: jnp.ndarray  # [] int32, steps that refreshed a cache
+  estimator: estimator_lib.EstimatorState
+
+
+@dataclasses.dataclass(frozen=True)
+class Curvature:
+  """Periodic statistics and cache refreshes (shared by the transforms).
+
+  Statistics are folded in at steps ``0, k, 2k, ...`` (``k =
+  cov_update_period``) and the damped powers refreshed at steps ``0, p,
+  2p, ...`` (``p = inverse_update_period``). With ``stagger=True`` every
+  block is refreshed at step 0, then a ``1/p`` slice of the blocks at every
+  step (round robin), so no step pays for all inverses at once.
+  """
+  estimator: estimator_lib.FisherEstimator
+  cov_update_period: int = 1
+  inverse_update_period: int = 5
+  stagger: bool = False
+  axis_name: Optional[str] = None
+  seed: int = 0
+
+  def __post_init__(self):
+    check_period("cov_update_period", self.cov_update_period)
+    check_period("inverse_update_period", self.inverse_update_period)
+
+  def init(self, params) -> CurvatureState:
+    zero = jnp.zeros((), jnp.int32)
+    return CurvatureState(count=zero, rng=jax.random.PRNGKey(self.seed),
+                          num_cov_updates=zero, num_inverse_updates=zero,
+                          estimator=self.estimator.init(params))
+
+  def _refresh(self, count, est_state, damping):
+    est, period = self.estimator, self.inverse_update_period
+    if self.stagger and not isinstance(period, int):
+      raise ValueError(
+          "stagger_inverse_updates=True needs a static inverse_update_period;"
+          " mark it static (e.g. inject_hyperparams(..., static_args=...)).")
+    if not self.stagger or period == 1:
+      do = (count % period) == 0
+      new = lax.cond(do, lambda s: est.update_cache(s, damping),
+                     lambda s: s, est_state)
+      return new, do
+    n = len(est.blocks)
+    new = lax.cond(count == 0, lambda s: est.update_cache(s, damping),
+                   lambda s: s, est_state)
+    for j in range(period):
+      layers = tuple(range(j, n, period))
+      if layers:
+        new = lax.cond((count > 0) & (count % period == j),
+                       lambda s, l=layers: est.update_cache(s, damping, l),
+                       lambda s: s, new)
+    return new, jnp.asarray(True)
+
+  def step(self, state: CurvatureState, params, batch, stats, damping):
+    """Updates statistics and caches as scheduled; returns the new state."""
+    check_batch_and_stats(batch, stats)
+    key, next_rng = jax.random.split(state.rng)
+    if self.axis_name is not None:
+      key = jax.random.fold_in(key, lax.axis_index(self.axis_name))
+    count = state.count
+    do_cov = (count % self.cov_update_period) == 0
+    est_state = lax.cond(
+        do_cov, lambda s: self.estimator.update_curvature(
+            s, params, batch, key, stats=stats),
+        lambda s: s, state.estimator)
+    lam = jnp.asarray(damping, linalg.factor_dtype())
+    est_state, do_inv = self._refresh(count, est_state, lam)
+    one = lambda b: b.astype(jnp.int32)  # noqa: E731
+    return CurvatureState(
+        count=count + 1, rng=next_rng,
+        num_cov_updates=state.num_cov_updates + one(do_cov),
+        num_inverse_updates=state.num_inverse_updates + one(do_inv),
+        estimator=est_state)
+
+
+def make_curvature(collection, *, cov_ema_decay, cov_update_period,
+                   inverse_update_period, estimation_mode, power, axis_name,
+                   seed, stagger=False, **estimator_kwargs) -> Curvature:
+  if not isinstance(power, (int, float)) or power >= 0:
+    raise ValueError(f"power={power!r} must be a negative number (-1, -0.5).")
+  exps = tuple(estimator_kwargs.pop("exps", (power,)))
+  if power not in exps:
+    exps = exps + (power,)
+  est = estimator_lib.FisherEstimator(
+      collection, cov_ema_decay=cov_ema_decay, damping=0.0, exps=exps,
+      estimation_mode=estimation_mode, axis_name=axis_name,
+      **estimator_kwargs)
+  return Curvature(est, cov_update_period, inverse_update_period, stagger,
+                   axis_name, seed)
+
+
+def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
+  """KL clipping (Ba, Grosse & Martens 2017, sec. 5).
+
+  .. math:: \\nu = \\min\\left(1, \\sqrt{\\frac{C}{\\alpha^2\\, g^T \\hat F^{-1} g}}
+    \\right)
+
+  Returns ``ν`` (1 when the constraint is inactive or ``gᵀF̂⁻¹g <= 0``).
+  """
+  sq = optax.tree.vdot(direction, grads)
+  sq = learning_rate ** 2 * sq
+  return jnp.where(sq > 0, jnp.minimum(1.0, jnp.sqrt(
+      norm_constraint / jnp.where(sq > 0, sq, 1.0))), 1.0)
 
 
 def scale_by_kfac(collection: LayerCollection, *,
@@ -62,18 +186,22 @@ def scale_by_kfac(collection: LayerCollection, *,
                   cov_ema_decay: float = 0.95, cov_update_period: int = 1,
                   inverse_update_period: int = 5,
                   estimation_mode: str = "gradients", power: float = -1,
+                  norm_constraint: Optional[float] = None,
+                  learning_rate: ScalarOrSchedule = 1.0,
                   axis_name: Optional[str] = None, seed: int = 0,
+                  stagger_inverse_updates: bool = False,
                   **estimator_kwargs: Any
                   ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with the K-FAC curvature: ``F̂^power g``.
 
   .. math::
-    u = (\\hat F + \\lambda I)^{p} g,\\qquad \\hat F = \\mathrm{diag}_\\ell
-    (c_\\ell A_\\ell \\otimes G_\\ell)
+    u = \\nu\\, (\\hat F + \\lambda I)^{p} g,\\qquad \\hat F =
+    \\mathrm{diag}_\\ell (c_\\ell A_\\ell \\otimes G_\\ell)
 
   with factors refreshed every ``cov_update_period`` steps and their damped
-  powers every ``inverse_update_period`` steps (Martens & Grosse 2015).
-  Returns a *direction*, like ``optax.scale_by_adam``.
+  powers every ``inverse_update_period`` steps (Martens & Grosse 2015), and
+  ``ν`` the KL-clipping coefficient when ``norm_constraint`` is set. Returns
+  a *direction*, like ``optax.scale_by_adam``.
 
   Args:
     collection: from :func:`kfac_jax_lite.scan`.
@@ -85,8 +213,13 @@ def scale_by_kfac(collection: LayerCollection, *,
     estimation_mode: ``gradients``, ``empirical``, ``curvature_prop``,
       ``curvature_prop_GGN``, ``exact``, ``exact_GGN``.
     power: the exponent ``p`` (``-1`` natural gradient, ``-0.5``).
+    norm_constraint: ``C`` of KL clipping, or None.
+    learning_rate: the learning rate the direction will be scaled by, used
+      only by KL clipping (``kfac`` passes its own).
     axis_name: ``pmap``/``shard_map`` axis to average statistics over.
     seed: seed of the sampling key kept in the state.
+    stagger_inverse_updates: refresh a slice of the blocks every step
+      instead of all blocks every ``inverse_update_period`` steps.
     **estimator_kwargs: more :class:`FisherEstimator` options
       (``num_samples``, ``damping_type``, ``exps``, ...).
 
@@ -94,25 +227,16 @@ def scale_by_kfac(collection: LayerCollection, *,
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
     ``params`` and exactly one of ``batch=`` or ``stats=``.
   """
-  _check_period("cov_update_period", cov_update_period)
-  _check_period("inverse_update_period", inverse_update_period)
-  if not isinstance(power, (int, float)) or power >= 0:
-    raise ValueError(f"power={power!r} must be a negative number (-1, -0.5).")
-  exps = tuple(estimator_kwargs.pop("exps", (power,)))
-  if power not in exps:
-    exps = exps + (power,)
-  est = estimator_lib.FisherEstimator(
-      collection, cov_ema_decay=cov_ema_decay, damping=0.0, exps=exps,
-      estimation_mode=estimation_mode, axis_name=axis_name,
-      **estimator_kwargs)
-  if not callable(damping) and damping < 0:
-    raise ValueError(f"damping={damping!r} must be >= 0.")
-
-  def init_fn(params):
-    zero = jnp.zeros((), jnp.int32)
-    return ScaleByKFACState(count=zero, rng=jax.random.PRNGKey(seed),
-                            num_cov_updates=zero, num_inverse_updates=zero,
-                            estimator=est.init(params))
+  check_nonnegative("damping", damping)
+  if norm_constraint is not None:
+    check_nonnegative("norm_constraint", norm_constraint)
+  curvature = make_curvature(
+      collection, cov_ema_decay=cov_ema_decay,
+      cov_update_period=cov_update_period,
+      inverse_update_period=inverse_update_period,
+      estimation_mode=estimation_mode, power=power, axis_name=axis_name,
+      seed=seed, stagger=stagger_inverse_updates, **estimator_kwargs)
+  est = curvature.estimator
 
   def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 **extra_args):
@@ -120,57 +244,63 @@ def scale_by_kfac(collection: LayerCollection, *,
     if params is None:
       raise ValueError("scale_by_kfac.update needs params=... (the current "
                        "parameters), as optax.adamw does.")
-    check_batch_and_stats(batch, stats)
-    key, next_rng = jax.random.split(state.rng)
-    if axis_name is not None:
-      key = jax.random.fold_in(key, lax.axis_index(axis_name))
     count = state.count
+    state = curvature.step(state, params, batch, stats,
+                           value_at(damping, count))
+    direction = est.multiply_matpower(state.estimator, updates, power)
+    if norm_constraint is not None:
+      nu = kl_clip_coefficient(direction, updates,
+                               value_at(learning_rate, count),
+                               norm_constraint)
+      direction = jax.tree.map(lambda d: (nu * d).astype(d.dtype), direction)
+    return direction, state
 
-    def cov_update(est_state):
-      return est.update_curvature(
-          est_state, params, batch, key, stats=stats)
-
-    do_cov = (count % cov_update_period) == 0
-    est_state = lax.cond(do_cov, cov_update, lambda s: s, state.estimator)
-    do_inv = (count % inverse_update_period) == 0
-    lam = jnp.asarray(_value(damping, count), linalg.factor_dtype())
-    est_state = lax.cond(do_inv, lambda s: est.update_cache(s, lam),
-                         lambda s: s, est_state)
-    direction = est.multiply_matpower(est_state, updates, power)
-    new_state = ScaleByKFACState(
-        count=count + 1, rng=next_rng,
-        num_cov_updates=state.num_cov_updates + do_cov.astype(jnp.int32),
-        num_inverse_updates=state.num_inverse_updates + do_inv.astype(
-            jnp.int32),
-        estimator=est_state)
-    return direction, new_state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(curvature.init, update_fn)
 
 
 def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          momentum: float = 0.9, weight_decay: float = 0.0,
+         damping: ScalarOrSchedule = 1e-3, cov_ema_decay: float = 0.95,
+         inverse_update_period: int = 5, estimation_mode: str = "gradients",
+         norm_constraint: Optional[float] = None,
          **scale_by_kfac_kwargs: Any) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
 
   .. math::
-    v \\leftarrow \\mu v + \\hat F^{-1} g + \\eta\\,\\theta,\\qquad
+    v \\leftarrow \\mu v + \\nu\\hat F^{-1} g + \\eta\\,\\theta,\\qquad
     \\Delta\\theta = -\\alpha\\, v
 
   (decoupled weight decay ``η`` after preconditioning, as TF K-FAC's
-  ``use_weight_decay``).
+  ``use_weight_decay``; ``ν`` the KL-clipping coefficient).
 
   Args:
     learning_rate: α, a float or schedule.
     collection: from :func:`kfac_jax_lite.scan`.
     momentum: μ (0 disables momentum).
     weight_decay: η.
-    **scale_by_kfac_kwargs: passed to :func:`scale_by_kfac`.
+    damping, cov_ema_decay, inverse_update_period, estimation_mode,
+      norm_constraint: see :func:`scale_by_kfac`.
+    **scale_by_kfac_kwargs: more :func:`scale_by_kfac` options.
+
+  Works under ``optax.inject_hyperparams`` (``learning_rate``, ``damping``,
+  ``momentum``, ``weight_decay`` injectable) and ``optax.MultiSteps``.
   """
-  parts = [scale_by_kfac(collection, **scale_by_kfac_kwargs)]
-  if weight_decay:
+  check_nonnegative("learning_rate", learning_rate)
+  check_nonnegative("momentum", momentum)
+  scale_by_kfac_kwargs = unnest_kwargs(scale_by_kfac_kwargs,
+                                       "scale_by_kfac_kwargs")
+  parts = [scale_by_kfac(
+      collection, damping=damping, cov_ema_decay=cov_ema_decay,
+      inverse_update_period=inverse_update_period,
+      estimation_mode=estimation_mode, norm_constraint=norm_constraint,
+      learning_rate=learning_rate, **scale_by_kfac_kwargs)]
+  if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
-  if momentum:
+  if not isinstance(momentum, (int, float)) or momentum:
     parts.append(optax.trace(decay=momentum))
   parts.append(optax.scale_by_learning_rate(learning_rate))
   return optax.chain(*parts)
+
+
+# Backwards-compatible name for the state of scale_by_kfac.
+ScaleByKFACState = CurvatureState
