@@ -118,57 +118,80 @@ def _grads_layout(g, n_scan):
   return jax.vmap(lambda x: _site_layout(x, n_scan))(g)
 
 
+class Linearized:
+  """One linearisation of the loss function (a single forward pass).
+
+  Its transpose gives the gradient and the statistics' output gradients; its
+  JVP gives ``J u`` for Fisher-vector products (the optimizer's quadratic
+  model). Built inside a trace; not a pytree.
+  """
+
+  def __init__(self, collection: LayerCollection, params, batch):
+    traced = scanner.perturbed_fn(collection, params, batch)
+    (loss, zs), jvp, (aux, records, targets) = jax.linearize(
+        traced.fn, params, traced.eps, has_aux=True)
+    self.collection = collection
+    self.params = params
+    self.sites = traced.sites
+    self.eps = traced.eps
+    self.loss, self.zs, self.aux = loss, zs, aux
+    self.records, self.targets = records, targets
+    self.jvp = jvp
+    self.vjp = jax.linear_transpose(jvp, params, traced.eps)
+
+  def gradient(self):
+    """``∂ loss / ∂ params`` (the true gradient)."""
+    return self.vjp((jnp.ones_like(self.loss),
+                     tuple(jnp.zeros_like(z) for z in self.zs)))[0]
+
+  def output_jvp(self, tangent):
+    """``J u``: the loss tags' input tangents for a params-shaped ``u``."""
+    eps_t = jax.tree.map(jnp.zeros_like, self.eps)
+    return self.jvp(tangent, eps_t)[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Pass:
-  """Everything one linearisation of the loss function produced."""
-  loss: Any
-  aux: Any
-  grads: Any
+  """Statistics inputs from one linearisation."""
   layer_data: tuple
   param_grads_all: Any   # [S, leaf] grads of the summed source losses, or None
 
 
-def _one_pass(collection, blocks, params, batch, key, mode, num_samples,
-              with_grads, need_all_param_grads):
-  traced = scanner.perturbed_fn(collection, params, batch)
-  (loss, zs), vjp_fn, (aux, records, targets) = jax.vjp(
-      traced.fn, params, traced.eps, has_aux=True)
-  grads = None
-  if with_grads:
-    grads = vjp_fn((jnp.ones_like(loss), tuple(jnp.zeros_like(z)
-                                               for z in zs)))[0]
-  cts = _loss_cotangents(mode, collection.losses, zs, targets, key,
+def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
+                     need_all_param_grads) -> _Pass:
+  collection = lin.collection
+  cts = _loss_cotangents(mode, collection.losses, lin.zs, lin.targets, key,
                          num_samples)
-  cts = tuple(c.astype(z.dtype) for c, z in zip(cts, zs))
+  cts = tuple(c.astype(z.dtype) for c, z in zip(cts, lin.zs))
   generic = sorted({i for l, b in zip(collection.layers, blocks)
                     if b.needs_param_grads for i in l.param_indices})
 
   def pull(ct):
-    p_bar, eps_bar = vjp_fn((jnp.zeros_like(loss), ct))
+    p_bar, eps_bar = lin.vjp((jnp.zeros_like(lin.loss), ct))
     leaves = jax.tree.leaves(p_bar)
     if need_all_param_grads:
       return leaves, eps_bar
     return {i: leaves[i] for i in generic}, eps_bar
 
   p_bars, eps_bars = jax.vmap(pull)(cts)
-  batch_size = zs[0].shape[0]
-  leaves = jax.tree.leaves(params)
+  batch_size = lin.zs[0].shape[0]
+  leaves = jax.tree.leaves(lin.params)
   sites_of = {}
-  for s in traced.sites:
+  for s in lin.sites:
     sites_of.setdefault(s.leaves, []).append(s)
   data = []
   for layer, block in zip(collection.layers, blocks):
     sites = sites_of.get(layer.param_indices, [])
     data.append(blocks_lib.LayerData(
         inputs=tuple(tuple(_site_layout(x, len(s.scan_lengths))
-                           for x in records[s.key]) for s in sites),
+                           for x in lin.records[s.key]) for s in sites),
         grads=tuple(_grads_layout(eps_bars[s.key], len(s.scan_lengths))
                     for s in sites),
         params=tuple(leaves[i] for i in layer.param_indices),
         param_grads=tuple(p_bars[i] for i in layer.param_indices)
         if block.needs_param_grads else (),
         batch_size=batch_size))
-  return _Pass(loss=loss, aux=aux, grads=grads, layer_data=tuple(data),
+  return _Pass(layer_data=tuple(data),
                param_grads_all=p_bars if need_all_param_grads else None)
 
 
@@ -294,10 +317,15 @@ class FisherEstimator:
                           params_stats=ps, params_weight=pw)
 
   # ---- statistics --------------------------------------------------------
-  def _pass(self, params, batch, rng, with_grads):
-    return _one_pass(self.collection, self.blocks, params, batch, rng,
-                     self.estimation_mode, self.num_samples, with_grads,
-                     self.compute_params_stats)
+  def linearize(self, params, batch) -> Linearized:
+    """One forward pass of the collection's loss function, linearised."""
+    return Linearized(self.collection, params, batch)
+
+  def stats_from(self, lin: Linearized, rng):
+    """Minibatch statistics from a linearisation (a backward pass each)."""
+    p = _statistics_pass(lin, self.blocks, rng, self.estimation_mode,
+                         self.num_samples, self.compute_params_stats)
+    return self._stats_from_pass(p, lin.params)
 
   def _stats_from_pass(self, p: _Pass, params):
     block_stats = tuple(b.compute_stats(d)
@@ -315,8 +343,7 @@ class FisherEstimator:
 
   def compute_stats(self, params, batch, rng):
     """Minibatch statistics of every block (one forward pass, no gradient)."""
-    return self._stats_from_pass(self._pass(params, batch, rng, False),
-                                 params)
+    return self.stats_from(self.linearize(params, batch), rng)
 
   def update_curvature(self, state: EstimatorState, params=None, batch=None,
                        rng=None, *, stats=None, ema_decay=None):
@@ -469,9 +496,9 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
       collection, estimation_mode=estimation_mode, num_samples=num_samples)
 
   def fn(params, batch, rng):
-    p = est._pass(params, batch, rng, True)  # pylint: disable=protected-access
-    stats = est._stats_from_pass(p, params)  # pylint: disable=protected-access
-    out = (p.loss, p.aux) if has_aux else p.loss
-    return out, p.grads, stats
+    lin = est.linearize(params, batch)
+    stats = est.stats_from(lin, rng)
+    out = (lin.loss, lin.aux) if has_aux else lin.loss
+    return out, lin.gradient(), stats
 
   return fn

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite import linalg
-from kfac_jax_lite import scanner
 from kfac_jax_lite import transform
 from kfac_jax_lite.collection import LayerCollection
 
@@ -54,37 +53,34 @@ class KFACOptimizerState(NamedTuple):
   new_loss: jnp.ndarray        # [] h(θ + u) at the last adaptation
 
 
-def fisher_gram(collection: LayerCollection, params, batch, vectors,
-                axis_name=None):
+def fisher_gram(lin, vectors, axis_name=None):
   """``[vᵢᵀ F vⱼ]`` with ``F`` the exact minibatch Fisher (GGN) of the loss.
 
   .. math:: v_i^T F v_j = \\sum_\\ell \\frac{w_\\ell}{B} \\sum_b
      (J_b v_i)^T F_R(z_b) (J_b v_j)
 
-  ``J_b v`` comes from one ``jax.linearize`` of the loss tags' inputs,
+  ``J_b v`` comes from the JVP of one linearisation (no new forward pass),
   evaluated for all vectors with ``vmap``.
 
+  Args:
+    lin: an :class:`~kfac_jax_lite.estimator.Linearized` of the batch.
+    vectors: params-shaped vectors.
+    axis_name: average over this data-parallel axis.
+
   Returns:
-    ``(gram [k, k], loss)``: the Gram matrix and the loss at ``params``.
+    The ``[k, k]`` Gram matrix.
   """
-  traced = scanner.perturbed_fn(collection, params, batch)
-
-  def zs_of(p):
-    (loss, zs), _ = traced.fn(p, traced.eps)
-    return loss, zs
-
-  (loss, zs), jvp = jax.linearize(zs_of, params)
   stacked = jax.tree.map(lambda *x: jnp.stack(x), *vectors)
-  _, jvs = jax.vmap(jvp)(stacked)
+  jvs = jax.vmap(lin.output_jvp)(stacked)
   gram = 0.0
-  for spec, z, jv in zip(collection.losses, zs, jvs):
+  for spec, z, jv in zip(lin.collection.losses, lin.zs, jvs):
     fjv = jax.vmap(lambda v, z=z, spec=spec: spec.multiply_fisher(z, v))(jv)
     jv = jv.astype(fjv.dtype)
     gram = gram + spec.weight / z.shape[0] * jnp.einsum(
         "i...,j...->ij", jv, fjv)
   if axis_name is not None:
-    gram, loss = lax.pmean((gram, loss), axis_name)
-  return gram, loss
+    gram = lax.pmean(gram, axis_name)
+  return gram
 
 
 def quadratic_model_step(m, gram, c, damping, *, adapt_learning_rate,
@@ -221,13 +217,17 @@ def kfac_optimizer(collection: LayerCollection, *,
           "batch); statistics may still come from stats=....")
     lam = state.damping
     count = state.curvature.count
-    cstate = curvature.step(state.curvature, params,
-                            batch if stats is None else None, stats, lam)
+    # One forward pass: statistics (transpose), loss and J u (JVP).
+    lin = est.linearize(params, batch)
+    loss = lin.loss
+    if axis_name is not None:
+      loss = lax.pmean(loss, axis_name)
+    cstate = curvature.step(state.curvature, params, None, stats, lam,
+                            linearized=lin)
     delta = jax.tree.map(lambda d: -d, est.multiply_inverse(cstate.estimator,
                                                             grads))
     prev = state.velocity
-    m, loss = fisher_gram(collection, params, batch, [delta, prev],
-                          axis_name)
+    m = fisher_gram(lin, [delta, prev], axis_name)
     vecs = (delta, prev)
     gram = jnp.array([[optax.tree.vdot(a, b) for b in vecs] for a in vecs])
     c = jnp.array([optax.tree.vdot(grads, v) for v in vecs])

@@ -129,18 +129,28 @@ class Curvature:
                        lambda s: s, new)
     return new, jnp.asarray(True)
 
-  def step(self, state: CurvatureState, params, batch, stats, damping):
-    """Updates statistics and caches as scheduled; returns the new state."""
+  def step(self, state: CurvatureState, params, batch, stats, damping,
+           linearized=None):
+    """Updates statistics and caches as scheduled; returns the new state.
+
+    ``linearized`` (an :class:`~kfac_jax_lite.estimator.Linearized` of this
+    batch) replaces ``batch`` when the caller already ran the forward pass.
+    """
+    if linearized is not None:
+      if stats is None:
+        stats = lambda key: self.estimator.stats_from(linearized, key)  # noqa: E731
+      batch = None
     check_batch_and_stats(batch, stats)
     key, next_rng = jax.random.split(state.rng)
     if self.axis_name is not None:
       key = jax.random.fold_in(key, lax.axis_index(self.axis_name))
     count = state.count
     do_cov = (count % self.cov_update_period) == 0
-    est_state = lax.cond(
-        do_cov, lambda s: self.estimator.update_curvature(
-            s, params, batch, key, stats=stats),
-        lambda s: s, state.estimator)
+    def cov_update(s):
+      st = stats(key) if callable(stats) else stats
+      return self.estimator.update_curvature(s, params, batch, key, stats=st)
+
+    est_state = lax.cond(do_cov, cov_update, lambda s: s, state.estimator)
     lam = jnp.asarray(damping, linalg.factor_dtype())
     est_state, do_inv = self._refresh(count, est_state, lam)
     one = lambda b: b.astype(jnp.int32)  # noqa: E731
