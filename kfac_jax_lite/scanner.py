@@ -576,8 +576,9 @@ class _Walker:
       prefix, seen = f"{key}/branch{k}/", collections.Counter()
       for site in [t for t in self.found.sites.values()
                    if t.key.startswith(prefix)]:
-        sig = (site.leaves, site.kind, site.meta, site.scan_lengths,
-               site.stack, site.y_aval.shape, site.y_aval.dtype,
+        sig = (site.leaves, site.kind, site.meta, site.found_by,
+               site.scan_lengths, site.stack, site.y_aval.shape,
+               site.y_aval.dtype,
                tuple((a.shape, a.dtype) for a in site.input_avals))
         j, seen[sig] = seen[sig], seen[sig] + 1
         first = slots.setdefault((sig, j), site.key)
@@ -1057,27 +1058,30 @@ def _auto_layers(sites, leaf_paths, bad):
     groups.setdefault(s.leaves, []).append(s)
     for leaf in s.leaves:
       by_leaf.setdefault(leaf, set()).add(s.leaves)
-  good = {}
+  good, rejected = {}, {}
   for group, gsites in groups.items():
     kinds = sorted({s.kind for s in gsites})
     what = (f"recognised as {' and '.join(kinds)} at "
             f"{', '.join(s.key for s in gsites[:3])}")
+    others = sorted({g for l in group for g in by_leaf[l]} - {group})
     reason = next((f"{what}, but {bad[l]}" for l in group if l in bad), None)
-    others = {g for l in group for g in by_leaf[l]} - {group}
     if reason is None and others:
-      reason = (f"{what}, but also part of a layer with parameters "
-                f"{[leaf_paths[i] for g in others for i in g]}")
+      reason = (f"{what}, but its parameters also form a layer with other "
+                "companions: " + "; ".join(
+                    str([leaf_paths[i] for i in g]) + " at " +
+                    ", ".join(s.key for s in groups[g][:3]) for g in others))
     elif reason is None and len(kinds) > 1:
       reason = f"{what}: a layer must be used as one kind"
     elif reason is None and len({s.stack is None for s in gsites}) > 1:
-      reason = (f"{what}, both sliced by lax.scan (stacked) and used whole")
+      reason = f"{what}, both sliced by lax.scan (stacked) and used whole"
     elif reason is None and len({s.meta for s in gsites}) > 1:
       reason = f"{what} with different settings (strides, padding, ...)"
     if reason is None:
       good[group] = gsites
     else:
       for leaf in group:
-        bad[leaf] = reason
+        rejected.setdefault(leaf, reason)
+  bad.update(rejected)
   return good
 
 

@@ -9,7 +9,6 @@ check the collection (kinds, metadata) and the inputs ``perturbed_fn``
 records for the blocks.
 """
 
-import functools
 import time
 
 import flax.linen as nn
@@ -78,11 +77,22 @@ def _records(collection, params, batch):
   return {s.key: (s, records[s.key]) for s in traced.sites}
 
 
+def _empirical_state(collection, params, batch, exps=(-1,)):
+  """Estimator and state after one empirical-Fisher update (jitted)."""
+  est = kl.FisherEstimator(collection, estimation_mode="empirical", exps=exps)
+
+  @jax.jit
+  def fn(params, batch):
+    state = est.update_curvature(est.init(params), params, batch,
+                                 jax.random.PRNGKey(0))
+    return est.update_cache(state)
+
+  return est, fn(params, batch)
+
+
 def _empirical_fisher(collection, params, batch):
-  est = kl.FisherEstimator(collection, estimation_mode="empirical")
-  state = est.update_curvature(est.init(params), params, batch,
-                               jax.random.PRNGKey(0))
-  return est.full_fisher(state)
+  est, state = _empirical_state(collection, params, batch)
+  return jax.jit(est.full_fisher)(state)
 
 
 def _x(*shape, seed=0):
@@ -187,9 +197,7 @@ def test_auto_fisher_is_kron_of_explicit_moments():
   """The auto dense factors are the explicit moments of inputs and grads."""
   loss_fn, params, batch = _plain_mlp(tagged=False)
   c = kl.scan(loss_fn, params, batch)
-  est = kl.FisherEstimator(c, estimation_mode="empirical")
-  state = est.update_curvature(est.init(params), params, batch,
-                               jax.random.PRNGKey(0))
+  _, state = _empirical_state(c, params, batch)
   x, y = batch
 
   def per_example_logits_grad(p, x1, y1):
@@ -684,22 +692,22 @@ def test_stacked_fisher_equals_unrolled_layers():
   assert _summary(c_s) == [("fully_connected", 1, "kron", "auto")]
   assert c_s.layers[0].stack == depth
   assert _summary(c_u) == [("fully_connected", 1, "kron", "auto")] * depth
-  f_s = _empirical_fisher(c_s, stacked, batch)
-  f_u = _empirical_fisher(c_u, unrolled, batch)
+  est_s, state_s = _empirical_state(c_s, stacked, batch)
+  est_u, state_u = _empirical_state(c_u, unrolled, batch)
+  f_s = jax.jit(est_s.full_fisher)(state_s)
   assert float(jnp.max(jnp.abs(f_s))) > 0
-  np.testing.assert_allclose(f_s, f_u, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(f_s, jax.jit(est_u.full_fisher)(state_u),
+                             rtol=1e-5, atol=1e-7)
   # Preconditioned vectors agree too.
-  for c, p, loss in ((c_s, stacked, loss_stacked),
-                     (c_u, unrolled, loss_unrolled)):
-    est = kl.FisherEstimator(c)
-    state = est.update_cache(est.update_curvature(
-        est.init(p), p, batch, jax.random.PRNGKey(0)))
-    out = est.multiply_inverse(state, jax.grad(loss)(p, batch))
-    if c is c_s:
-      ref = {f"{k}{l}": out[k][l] for k in "BW" for l in range(depth)}
-    else:
-      jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4,
-                                     atol=1e-6), out, ref)
+  v = jax.grad(loss_unrolled)(unrolled, batch)
+  v_stacked = {k: jnp.stack([v[f"{k}{l}"] for l in range(depth)])
+               for k in "BW"}
+  out_s = jax.jit(est_s.multiply_inverse)(state_s, v_stacked)
+  out_u = jax.jit(est_u.multiply_inverse)(state_u, v)
+  for k in "BW":
+    for l in range(depth):
+      np.testing.assert_allclose(out_s[k][l], out_u[f"{k}{l}"], rtol=1e-4,
+                                 atol=1e-6)
 
 
 def test_rnn_scan_over_time_is_multi_use():
