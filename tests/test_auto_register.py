@@ -630,6 +630,8 @@ def test_multi_head_attention_projections():
       "'query']", "'key']", "'value']", "'out']"]
   assert [l.param_shapes for l in c.layers] == [((d, 2, 2), (2, 2))] * 3 + [
       ((2, 2, d), (d,))]
+  # How many leading kernel axes are inputs: the block's [d_in, d_out].
+  assert [l.meta_dict["kernel_in_axes"] for l in c.layers] == [1, 1, 1, 2]
   # The out projection's input [B, T, heads, head_dim] is recorded flattened.
   shapes = [(r[0].shape, s.y_aval.shape)
             for s, r in _records(c, params, batch).values()]
@@ -710,6 +712,21 @@ def test_stacked_fisher_equals_unrolled_layers():
                                  atol=1e-6)
 
 
+def test_manual_tag_inside_stacked_scan():
+  def loss_fn(p, batch):
+    def body(h, w):
+      return jnp.tanh(kl.register_dense(h @ w, h, w)), None
+    h, _ = lax.scan(body, batch[0], p["W"])
+    return _ce(h @ p["out"], batch[1])
+  params = {"W": _x(3, 4, 4), "out": _x(4, 3)}
+  batch = (_x(B, 4), _labels(B))
+  c = kl.scan(loss_fn, params, batch, strict=True)
+  assert _summary(c) == [("fully_connected", 1, "kron", "tag"),
+                         ("fully_connected", 1, "kron", "auto")]
+  assert c.layers[0].stack == 3
+  _update(loss_fn, params, batch, c)
+
+
 def test_rnn_scan_over_time_is_multi_use():
   def loss_fn(p, batch):
     h, hs = lax.scan(lambda h, x: (jnp.tanh(x @ p["wx"] + h @ p["wh"]),) * 2,
@@ -746,6 +763,18 @@ def test_unrecognised_use_falls_back_with_reason():
                      r"fully_connected.*used by `sin`"):
     kl.scan(loss_fn, params, batch, strict=True)
   _update(loss_fn, params, batch, c)
+
+
+def test_scale_of_unbatched_value_falls_back():
+  def loss_fn(p, batch):
+    pos = jnp.ones((3, 4)) * p["pos_scale"]   # No batch axis: not a layer.
+    return _ce((batch[0] + pos) @ p["w"], batch[1])
+  params = {"pos_scale": _x(4), "w": _x(4, 5)}
+  batch = (_x(B, 3, 4), _labels(B, 3, n=5))
+  c = kl.scan(loss_fn, params, batch)
+  assert _summary(c) == [("fully_connected", 3, "kron_indep", "auto"),
+                         ("generic", 1, "diagonal", "leftover")]
+  assert "does not depend on the batch" in c.layers[1].note
 
 
 def test_transposed_kernel_and_parameter_products_fall_back():

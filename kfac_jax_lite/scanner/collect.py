@@ -154,6 +154,19 @@ def _make_layer(group, gsites, found_by, leaves, leaf_paths, approximations):
       stack=int(leaves[group[0]].shape[0]) if stacked else 0)
 
 
+def _generic_layer(i, leaves, leaf_paths, reason, approximations):
+  """The fallback layer of leaf ``i``, with the reason as its note."""
+  paths = (leaf_paths[i],)
+  return collection_lib.Layer(
+      name=paths[0], kind="generic",
+      approx=collection_lib.resolve_approx("generic", 1, None, paths,
+                                           approximations),
+      param_paths=paths, param_indices=(i,),
+      param_shapes=(tuple(leaves[i].shape),),
+      param_dtypes=(str(leaves[i].dtype),), num_uses=1,
+      found_by="leftover", note=f"generic block: {reason}")
+
+
 def _leftover_reason(leaf, found, bad, auto_register) -> str:
   if not auto_register:
     return "no layer tag uses it (auto_register=False)"
@@ -239,8 +252,17 @@ def scan(loss_fn: Callable, params, batch, *, has_aux: bool = False,
     TypeError: non-float trainable parameters.
 
   Example:
-    >>> collection = scan(loss_fn, params, batch)
+    >>> collection = scan(loss_fn, params, batch,
+    ...                   params_filter={"params": True,
+    ...                                  "batch_stats": False})
     >>> print(collection.describe())
+
+  References:
+    Martens & Grosse (2015), sec. 3 (dense layers, eq. 1-3); Grosse &
+    Martens (2016), "A Kronecker-factored approximate Fisher matrix for
+    convolution layers" (KFC); Martens, Ba & Johnson (2018), "Kronecker-
+    factored curvature approximations for recurrent neural networks"
+    (multi-use layers, sec. 3).
   """
   leaf_paths = collection_lib.leaf_paths_of(params)
   trainable = _trainable_mask(params, params_filter, leaf_paths)
@@ -274,17 +296,8 @@ def scan(loss_fn: Callable, params, batch, *, has_aux: bool = False,
         ". Tag them with a register_* function, pass strict=False to use "
         "generic blocks, or exclude them with params_filter if they are not "
         "trainable.")
-  for i in leftover:
-    path, reason = leaf_paths[i], reasons[i]
-    paths = (path,)
-    layers.append(collection_lib.Layer(
-        name=path, kind="generic",
-        approx=collection_lib.resolve_approx("generic", 1, None, paths,
-                                             approximations),
-        param_paths=paths, param_indices=(i,),
-        param_shapes=(tuple(leaves[i].shape),),
-        param_dtypes=(str(leaves[i].dtype),), num_uses=1,
-        found_by="leftover", note=f"generic block: {reason}"))
+  layers += [_generic_layer(i, leaves, leaf_paths, reasons[i], approximations)
+             for i in leftover]
   names = [l.name for l in layers]
   if len(set(names)) != len(names):
     layers = [dataclasses.replace(l, name=f"{l.name}#{j}")

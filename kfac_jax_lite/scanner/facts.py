@@ -13,6 +13,7 @@ from jax.extend import core as jex_core
 from kfac_jax_lite import losses as losses_lib
 from kfac_jax_lite import tags
 
+
 PASSTHROUGH = frozenset({
     "convert_element_type", "reshape", "broadcast_in_dim", "copy", "copy_p",
     "squeeze", "expand_dims"})
@@ -188,6 +189,18 @@ class Draft:
 
 @dataclasses.dataclass
 class Found:
+  """Everything one walk found.
+
+  Attributes:
+    leaf_paths, leaf_shapes: of every parameter leaf.
+    auto: recognise untagged layers.
+    sites: key -> :class:`Site`, tag and automatic.
+    losses: the loss tags; ``loss_facts`` the facts of their ``z`` operand.
+    unmatched: leaf -> reasons, for each use outside a recognised layer.
+    rejected: leaf -> reason, for uses that looked like a layer but are not.
+    alias: key -> (key it was merged into, its own Site), for sites in
+      ``cond`` branches that share one slot.
+  """
   leaf_paths: tuple
   leaf_shapes: tuple
   auto: bool
@@ -196,7 +209,7 @@ class Found:
   loss_facts: list = dataclasses.field(default_factory=list)
   unmatched: dict = dataclasses.field(default_factory=dict)
   rejected: dict = dataclasses.field(default_factory=dict)
-  alias: dict = dataclasses.field(default_factory=dict)  # key -> (key, Site)
+  alias: dict = dataclasses.field(default_factory=dict)
 
   def resolve(self, key: str) -> str:
     """The key of the site that ``key`` was merged into (itself if none)."""
@@ -276,13 +289,12 @@ def chain_input(read, factors, shape, dtype):
   return jnp.broadcast_to(x, shape).astype(dtype)
 
 
-
 def chain_input_record(read, *, factors, shape, dtype):
   return (chain_input(read, factors, shape, dtype),)
 
 
 def site_out(d: Draft) -> Prov:
   return Prov(leaves=d.dep_leaves, sites=frozenset({d.key}),
-               batched=d.batched)
+              batched=d.batched)
 
 

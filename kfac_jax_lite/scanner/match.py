@@ -17,6 +17,7 @@ from kfac_jax_lite.scanner.facts import strip
 from kfac_jax_lite.scanner.facts import tail
 from kfac_jax_lite.scanner.facts import TIED_HINT
 
+
 class Matcher:
   """Recognises one equation as (part of) an untagged layer.
 
@@ -41,18 +42,18 @@ class Matcher:
   # ---- helpers -----------------------------------------------------------
   def _reject(self, reason):
     return [self.w.mix(self.ins, self.name, self.key,
-                        f"{reason} (`{self.name}` at {self.key})")]
+                       f"{reason} (`{self.name}` at {self.key})")]
 
   def _start(self, kind, p_w, x_prov, record, input_avals, meta, feat,
              factors=None, batched=True):
     y = self.eqn.outvars[0]
     d = Draft(kind=kind, key=self.key, leaves=(p_w.leaf,), meta=meta, y=y,
-               record=record, input_avals=input_avals, stack=p_w.stack,
-               upstream=frozenset().union(*[p.sites for p in x_prov]),
-               raw_in=frozenset().union(*[p.raw for p in x_prov]),
-               dep_leaves=frozenset().union(*[p.leaves for p in x_prov])
-               | p_w.leaves, feat=feat, factors=factors,
-               batched=batched)
+              record=record, input_avals=input_avals, stack=p_w.stack,
+              upstream=frozenset().union(*[p.sites for p in x_prov]),
+              raw_in=frozenset().union(*[p.raw for p in x_prov]),
+              dep_leaves=frozenset().union(*[p.leaves for p in x_prov])
+              | p_w.leaves, feat=feat, factors=factors,
+              batched=batched)
     self.lv.drafts[y] = d
     return [site_out(d)]
 
@@ -93,10 +94,14 @@ class Matcher:
     if lb or rb:
       return self._reject("dot_general with batch dimensions is not a dense "
                           "layer")
+    if p_w.view not in ("flat", "T"):
+      return self._reject("the kernel is a broadcast or reshaped view of the "
+                          "parameter, not its elements in order")
     nx, k = len(x.aval.shape), len(rc)
     trailing = tuple(lc) == tuple(range(nx - k, nx)) and nx > k
+    base = self.w.base_shape(p_w)
     if p_w.view == "flat" and trailing and tuple(rc) == tuple(range(k)):
-      if p_x.data == "onehot" and k == 1 and len(w.aval.shape) == 2:
+      if p_x.data == "onehot" and k == 1 and tuple(w.aval.shape) == base:
         return self._start(
             "embedding", p_w, [p_x],
             lambda read, x=x: (jnp.argmax(read(x), axis=-1).astype(
@@ -107,7 +112,6 @@ class Matcher:
       shape = tuple(x.aval.shape[:nx - k]) + (d_in,)
       # A kernel other than [d_in, d_out] (DenseGeneral, attention) says how
       # many of its leading axes are inputs; the block reshapes it to 2-D.
-      base = self.w.base_shape(p_w)
       in_axes = next((j for j in range(len(base) + 1)
                       if math.prod(base[:j]) == d_in), None)
       if in_axes is None:
@@ -115,10 +119,9 @@ class Matcher:
             f"the kernel of shape {tuple(w.aval.shape)} is a reshape of the "
             f"parameter {base} that does not split it into input and output "
             "axes")
-      meta = tags.layer_meta(approx=None) if (len(base) == 2 and in_axes == 1
-                                              ) else tags.layer_meta(
-                                                  approx=None,
-                                                  kernel_in_axes=in_axes)
+      extra = {} if (len(base), in_axes) == (2, 1) else {
+          "kernel_in_axes": in_axes}
+      meta = tags.layer_meta(approx=None, **extra)
       return self._start(
           "fully_connected", p_w, [p_x],
           lambda read, x=x, shape=shape: (read(x).reshape(shape),),
@@ -271,7 +274,7 @@ class Matcher:
           and u.aval.shape and u.aval.shape[-1] == 1
           and jnp.issubdtype(u.aval.dtype, jnp.integer)):
         return [Prov(batched=True, sites=pu.sites, raw=pu.raw,
-                      data="onehot")]
+                     data="onehot")]
     return None
 
 

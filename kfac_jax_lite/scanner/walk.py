@@ -80,7 +80,7 @@ class Walker:
       return BATCH if batched else NONE
     first_op = next((p.op for p in ins if p.op), name)
     return Prov(leaves=leaves, op=first_op, raw=raw, sites=sites,
-                 batched=batched)
+                batched=batched)
 
   def _view(self, eqn, p):
     """Facts of a view op's output whose operand is a parameter view."""
@@ -119,7 +119,7 @@ class Walker:
       return p
     self.found.note(p.pending, reason)
     return Prov(leaves=p.leaves, op=reason, raw=p.raw | p.pending,
-                 sites=p.sites, batched=p.batched)
+                sites=p.sites, batched=p.batched)
 
   def base_shape(self, p) -> tuple:
     shape = tuple(self.found.leaf_shapes[p.leaf])
@@ -202,7 +202,7 @@ class Walker:
         stack=stacks.pop() if stacks else None, found_by="tag",
         upstream=y.sites, raw_in=y.raw - frozenset(leaves))
     return Prov(leaves=y.leaves | frozenset(leaves), sites=frozenset({key}),
-                 batched=y.batched)
+                batched=y.batched)
 
   def _scan(self, eqn, ins, key, scan_lengths):
     p = eqn.params
@@ -245,7 +245,7 @@ class Walker:
     if (q.view == "flat" and q.stack is None and shape == tuple(
         self.found.leaf_shapes[q.leaf]) and shape and shape[0] == length):
       return Prov(leaves=q.leaves, direct=q.direct, view="flat",
-                   trail=ntrail(shape[1:]), stack=depth)
+                  trail=ntrail(shape[1:]), stack=depth)
     return self._opaque(
         q, f"sliced by lax.scan at {key} but not as a whole stacked leaf "
         f"(shape {shape}, scan length {length})")
@@ -255,8 +255,8 @@ class Walker:
     if a == b:
       return a
     return Prov(leaves=a.leaves | b.leaves, op=a.op or b.op,
-                 raw=a.raw | b.raw | a.pending | b.pending,
-                 sites=a.sites | b.sites, batched=a.batched or b.batched)
+                raw=a.raw | b.raw | a.pending | b.pending,
+                sites=a.sites | b.sites, batched=a.batched or b.batched)
 
   def _cond(self, eqn, ins, key, scan_lengths):
     outs = [self.walk(br.jaxpr, ins[1:], f"{key}/branch{k}/", scan_lengths)
@@ -370,7 +370,7 @@ def find_sites(loss_fn, params, batch, has_aux=False, leaf_paths=None,
       in_provs.append(NONE)
     else:
       in_provs.append(Prov(leaves=frozenset({i}), direct=True, view="flat",
-                            trail=ntrail(found.leaf_shapes[i])))
+                           trail=ntrail(found.leaf_shapes[i])))
   in_provs += [BATCH] * (len(closed.jaxpr.invars) - len(leaves))
   Walker(found).walk(closed.jaxpr, in_provs, "", [])
   found.sites = dict(sorted(found.sites.items(),
@@ -391,7 +391,7 @@ def select(found: Found):
   frontier = [k for z in found.loss_facts for k in z.sites]
   while frontier:
     k = found.resolve(frontier.pop())
-    if k in reach:
+    if k in reach or k not in found.sites:  # Not emitted: see Walker._emit.
       continue
     reach.add(k)
     frontier.extend(found.sites[k].upstream)
