@@ -9,7 +9,9 @@ the blocks:
 * ``nn.scan``: flax ``nn.scan`` over stacked parameters ``[depth, ...]``,
   which the scanner turns into stacked layers whose blocks are vmapped.
 
-Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition);
+Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition),
+``scan LN`` the same for the model with LayerNorm scale/shift parameters
+(``48 + 2`` dense and ``48`` scale-and-shift layers at depth 48);
 ``adam``/``kfac compile`` the XLA compile of one jitted training step
 (``jit(...).lower(...).compile()``, lowering included); ``step`` the median
 time of a compiled step. Every number comes from this process, side by
@@ -137,6 +139,7 @@ def main():
         f"{'with' if affine else 'WITHOUT'} scale/shift parameters"
         f"{'' if affine else ' (no scale_and_shift block in this version)'}")
   header = (f"{'depth':>5}  {'blocks':<9} {'layers':>6} {'scan s':>7} "
+            f"{'scan LN s':>9} "
             f"{'adam compile s':>14} {'kfac compile s':>14} {'ratio':>6} "
             f"{'adam step ms':>12} {'kfac step ms':>12}")
   print(header)
@@ -146,12 +149,15 @@ def main():
       loss_fn, params, batch = _problem(depth, stacked, affine, args.batch)
       collection, t_scan = _timed(
           lambda: kl.scan(loss_fn, params, batch, strict=True))
+      ln = _problem(depth, stacked, True, args.batch)
+      _, t_scan_ln = _timed(lambda: kl.scan(*ln, strict=True))
       adam_c, adam_s = _measure(loss_fn, params, batch, optax.adam(1e-3),
                                 False, args.steps)
       kfac_c, kfac_s = _measure(loss_fn, params, batch,
                                 kl.kfac(1e-3, collection), True, args.steps)
       print(f"{depth:>5}  {'nn.scan' if stacked else 'unrolled':<9} "
-            f"{len(collection.layers):>6} {t_scan:>7.3f} {adam_c:>14.2f} "
+            f"{len(collection.layers):>6} {t_scan:>7.3f} {t_scan_ln:>9.3f} "
+            f"{adam_c:>14.2f} "
             f"{kfac_c:>14.2f} {kfac_c / adam_c:>6.1f} {1e3 * adam_s:>12.2f} "
             f"{1e3 * kfac_s:>12.2f}", flush=True)
 
