@@ -54,14 +54,21 @@ class Layer:
     param_paths: ``jax.tree_util.keystr`` of each parameter leaf, in the
       tag's operand order (e.g. kernel then bias).
     param_indices: positions of those leaves in ``jax.tree.leaves(params)``.
-    param_shapes: shapes of the parameter leaves.
+    param_shapes: shapes of the parameter leaves (whole leaves, including
+      the stack axis of a stacked layer).
     param_dtypes: dtype names of the parameter leaves.
     num_uses: how many times the layer is applied per example (scan steps,
-      repeated tags, inner axes such as ``T`` of ``[B, T, d]`` inputs).
+      repeated tags, inner axes such as ``T`` of ``[B, T, d]`` inputs). For a
+      stacked layer: the uses of one slice.
     found_by: ``tag`` (registered by the user), ``auto`` (recognised by the
       scanner) or ``leftover`` (no structure found: generic block).
     meta: static tag metadata (strides, padding, ...), a sorted tuple.
     note: why a fallback happened, if one did.
+    stack: ``0``, or ``L`` for a stacked layer: every parameter leaf has a
+      leading axis of size ``L`` that a ``lax.scan`` (e.g. ``nn.scan``)
+      slices, and slice ``l`` is an independent layer. The curvature block
+      is built for one slice and ``vmap``-ped over the stack axis
+      (:mod:`kfac_jax_lite.blocks.stacked`).
   """
   name: str
   kind: str
@@ -74,6 +81,14 @@ class Layer:
   found_by: str = "tag"
   meta: tuple = ()
   note: str = ""
+  stack: int = 0
+
+  def unstacked(self) -> "Layer":
+    """The layer of one slice of a stacked layer (itself if not stacked)."""
+    if not self.stack:
+      return self
+    return dataclasses.replace(
+        self, param_shapes=tuple(s[1:] for s in self.param_shapes), stack=0)
 
   @property
   def is_multi(self) -> bool:
@@ -169,6 +184,13 @@ class LayerCollection:
     params_treedef: the parameters' tree structure.
     loss_fn: the scanned function ``loss_fn(params, batch)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    fallbacks: extra notes for ``describe()``.
+    trainable: one bool per leaf (the ``params_filter`` of ``scan``); empty
+      means every leaf is trainable. Leaves that are not trainable belong to
+      no layer; the estimator leaves their vector entries unchanged.
+    leaf_shapes: the shape of every leaf, in flatten order.
+    auto_register: whether ``scan`` recognised untagged layers (the
+      estimator re-traces with the same setting).
   """
   layers: tuple
   losses: tuple
@@ -177,6 +199,12 @@ class LayerCollection:
   loss_fn: Callable = dataclasses.field(compare=False, repr=False)
   has_aux: bool = False
   fallbacks: tuple = ()
+  trainable: tuple = ()
+  leaf_shapes: tuple = ()
+  auto_register: bool = False
+
+  def is_trainable(self, index: int) -> bool:
+    return not self.trainable or self.trainable[index]
 
   @property
   def registered_variables(self) -> tuple:
@@ -203,6 +231,8 @@ class LayerCollection:
       params: a parameter pytree (e.g. the one that will be optimised).
     """
     paths = leaf_paths_of(params)
+    if len(paths) == len(self.leaf_paths):
+      paths = [p for i, p in enumerate(paths) if self.is_trainable(i)]
     counts = {}
     for p in self.registered_variables:
       counts[p] = counts.get(p, 0) + 1
@@ -244,8 +274,8 @@ class LayerCollection:
     rows = [("layer", "kind", "approx", "shapes", "uses", "found by")]
     for l in self.layers:
       shapes = " ".join("x".join(map(str, s)) or "()" for s in l.param_shapes)
-      rows.append((l.name, l.kind, l.approx, shapes, str(l.num_uses),
-                   l.found_by))
+      uses = str(l.num_uses) + (f" (stack of {l.stack})" if l.stack else "")
+      rows.append((l.name, l.kind, l.approx, shapes, uses, l.found_by))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -255,6 +285,11 @@ class LayerCollection:
         for s in self.losses))
     num = sum(l.num_params for l in self.layers)
     lines.append(f"parameters: {num} in {len(self.layers)} layers")
+    frozen = [p for i, p in enumerate(self.leaf_paths)
+              if not self.is_trainable(i)]
+    if frozen:
+      lines.append(f"not trainable (params_filter), no block: {len(frozen)} "
+                   f"leaves, e.g. {frozen[0]}")
     notes = [f"  {l.name}: {l.note}" for l in self.layers if l.note]
     notes += [f"  {f}" for f in self.fallbacks]
     if notes:
@@ -292,7 +327,9 @@ def layer_name(kind: str, paths: tuple) -> str:
   if len(paths) > 1:
     # Cut at the last complete key.
     cut = max(prefix.rfind("]"), prefix.rfind("."))
-    prefix = prefix[: cut + 1] if cut >= 0 else prefix
+    if cut < 0:  # No common key, e.g. ['w1'] and ['b1'].
+      return " + ".join(paths)
+    prefix = prefix[: cut + 1]
   return prefix or paths[0]
 
 

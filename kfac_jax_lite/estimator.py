@@ -118,6 +118,34 @@ def _grads_layout(g, n_scan):
   return jax.vmap(lambda x: _site_layout(x, n_scan))(g)
 
 
+def _site_inputs(x, site):
+  """A recorded input in block layout; stacked sites get the stack axis first.
+
+  ``[T1..Tk, B, ...]`` -> ``[B, U, ...]``, or ``[L, B, U, ...]`` when scan
+  ``site.stack`` slices the layer's stacked parameters (``U`` then counts
+  the other scans' steps only).
+  """
+  n = len(site.scan_lengths)
+  if site.stack is None:
+    return _site_layout(x, n)
+  return jax.vmap(lambda t: _site_layout(t, n - 1))(
+      jnp.moveaxis(x, site.stack, 0))
+
+
+def _site_grads(g, site):
+  """``[S, T1..Tk, B, ...]`` -> ``[S, B, U, ...]`` (``[L, S, B, U, ...]``)."""
+  n = len(site.scan_lengths)
+  if site.stack is None:
+    return _grads_layout(g, n)
+  return jax.vmap(lambda t: _grads_layout(t, n - 1))(
+      jnp.moveaxis(g, site.stack + 1, 0))
+
+
+def _param_grads(p_bar, layer):
+  """``[S, *leaf]``; ``[L, S, ...]`` for a stacked layer."""
+  return jnp.moveaxis(p_bar, 1, 0) if layer.stack else p_bar
+
+
 class Linearized:
   """One linearisation of the loss function (a single forward pass).
 
@@ -183,12 +211,12 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
   for layer, block in zip(collection.layers, blocks):
     sites = sites_of.get(layer.param_indices, [])
     data.append(blocks_lib.LayerData(
-        inputs=tuple(tuple(_site_layout(x, len(s.scan_lengths))
-                           for x in lin.records[s.key]) for s in sites),
-        grads=tuple(_grads_layout(eps_bars[s.key], len(s.scan_lengths))
-                    for s in sites),
+        inputs=tuple(tuple(_site_inputs(x, s) for x in lin.records[s.key])
+                     for s in sites),
+        grads=tuple(_site_grads(eps_bars[s.key], s) for s in sites),
         params=tuple(leaves[i] for i in layer.param_indices),
-        param_grads=tuple(p_bars[i] for i in layer.param_indices)
+        param_grads=tuple(_param_grads(p_bars[i], layer)
+                          for i in layer.param_indices)
         if block.needs_param_grads else (),
         batch_size=batch_size))
   return _Pass(layer_data=tuple(data),
@@ -453,6 +481,8 @@ class FisherEstimator:
 
 
 def _leaf_shapes(collection):
+  if collection.leaf_shapes:  # Includes leaves outside params_filter.
+    return list(collection.leaf_shapes)
   shapes = [None] * len(collection.leaf_paths)
   for layer in collection.layers:
     for i, s in zip(layer.param_indices, layer.param_shapes):

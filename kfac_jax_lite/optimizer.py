@@ -199,13 +199,13 @@ def kfac_optimizer(collection: LayerCollection, *,
   dt = linalg.factor_dtype()
 
   def init_fn(params):
-    z = jnp.zeros((), dt)
+    z = lambda: jnp.zeros((), dt)  # noqa: E731  (distinct, donatable)
     return KFACOptimizerState(
         curvature=curvature.init(params),
         velocity=jax.tree.map(jnp.zeros_like, params),
         damping=jnp.asarray(max(initial_damping, floor), dt),
-        learning_rate=z, momentum=z, qmodel_change=z, rho=z, loss=z,
-        new_loss=z)
+        learning_rate=z(), momentum=z(), qmodel_change=z(), rho=z(),
+        loss=z(), new_loss=z())
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
                 **extra_args):

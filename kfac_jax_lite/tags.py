@@ -186,17 +186,38 @@ def register_conv(y, x, w, b=None, *, window_strides, padding,
     approx: ``kron`` (default), ``diagonal`` or ``kron_sua``.
   """
   params = (w,) if b is None else (w, b)
+  return _layer_tag(
+      "conv", y, (x,), params, "register_conv", **conv_meta_kwargs(
+          window_strides=window_strides, padding=padding,
+          rhs_dilation=rhs_dilation, lhs_dilation=lhs_dilation,
+          dimension_numbers=dimension_numbers,
+          feature_group_count=feature_group_count), approx=approx)
+
+
+def conv_meta_kwargs(*, window_strides, padding, rhs_dilation=None,
+                     lhs_dilation=None, dimension_numbers=None,
+                     feature_group_count: int = 1) -> dict:
+  """The normalised convolution metadata that ``register_conv`` stores.
+
+  Shared with the scanner's automatic detection, so a recognised
+  ``conv_general_dilated`` carries exactly the metadata a manual tag with the
+  same arguments would.
+  """
   if isinstance(dimension_numbers, jax.lax.ConvDimensionNumbers):
     dimension_numbers = tuple(tuple(d) for d in dimension_numbers)
-  return _layer_tag(
-      "conv", y, (x,), params, "register_conv",
+  return dict(
       window_strides=tuple(window_strides),
       padding=padding if isinstance(padding, str) else tuple(
           tuple(p) for p in padding),
       rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
       lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
       dimension_numbers=dimension_numbers,
-      feature_group_count=int(feature_group_count), approx=approx)
+      feature_group_count=int(feature_group_count))
+
+
+def layer_meta(**kwargs) -> tuple:
+  """A tag's static metadata tuple, as the ``register_*`` functions build it."""
+  return _static_meta(**kwargs)
 
 
 register_convolution = register_conv

@@ -102,9 +102,10 @@ class Curvature:
     check_period("inverse_update_period", self.inverse_update_period)
 
   def init(self, params) -> CurvatureState:
-    zero = jnp.zeros((), jnp.int32)
-    return CurvatureState(count=zero, rng=jax.random.PRNGKey(self.seed),
-                          num_cov_updates=zero, num_inverse_updates=zero,
+    # Distinct arrays per field: a shared buffer cannot be donated twice.
+    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+    return CurvatureState(count=zero(), rng=jax.random.PRNGKey(self.seed),
+                          num_cov_updates=zero(), num_inverse_updates=zero(),
                           estimator=self.estimator.init(params))
 
   def _refresh(self, count, est_state, damping):

@@ -159,3 +159,20 @@ def test_kfac_trains_faster_than_sgd_on_a_few_steps(problem):
   sgd_loss = run(optax.sgd(0.3), False)
   assert kfac_loss < 0.5 * start
   assert kfac_loss < sgd_loss
+
+
+@pytest.mark.parametrize("make", [
+    lambda c: kl.kfac(0.1, c), lambda c: kl.kfac_optimizer(c)])
+def test_state_buffers_can_be_donated(problem, make):
+  params, batches, c = problem
+  tx = make(c)
+
+  def step(params, state, batch):
+    grads = jax.grad(helpers.classifier_loss)(params, batch)
+    return tx.update(grads, state, params, batch=batch)
+
+  state = tx.init(params)
+  step = jax.jit(step, donate_argnums=(1,))
+  for batch in batches[:2]:
+    _, state = step(params, state, batch)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))

@@ -6,6 +6,7 @@ import math
 
 from kfac_jax_lite.blocks import diagonal
 from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import stacked
 from kfac_jax_lite.blocks.base import BlockConfig, LayerData
 from kfac_jax_lite.collection import Layer
 
@@ -36,10 +37,18 @@ def inner_uses(kind: str, input_shapes: tuple) -> int:
 def make_block(layer: Layer, config: BlockConfig | None = None):
   """The block for ``layer.kind`` and ``layer.approx``.
 
+  A stacked layer (``layer.stack > 0``) gets a
+  :class:`~kfac_jax_lite.blocks.stacked.StackedBlock` around the block of
+  one slice.
+
   Raises:
     NotImplementedError: for a (kind, approx) pair with no block yet.
   """
   config = config or BlockConfig()
+  if layer.stack:
+    return stacked.StackedBlock(layer=layer, config=config,
+                                inner=make_block(layer.unstacked(), config),
+                                size=layer.stack)
   factory = _FACTORIES.get((layer.kind, layer.approx))
   if factory is None:
     done = sorted(a for k, a in _FACTORIES if k == layer.kind)

@@ -267,12 +267,17 @@ class KroneckerBlock(base.Block):
 def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
   """The Kronecker block of a (possibly multi-use) dense layer."""
   w_shape = layer.param_shapes[0]
-  if len(w_shape) != 2:
+  # Recognised DenseGeneral kernels [*in_axes, *out_axes] say how many
+  # leading axes are inputs; the matrix is the row-major reshape.
+  k = layer.meta_dict.get("kernel_in_axes")
+  if k is None and len(w_shape) != 2:
     raise ValueError(
         f"Layer {layer.name!r} has kernel shape {w_shape}; a Kronecker block "
         "needs a rank-2 [d_in, d_out] kernel. Register it with "
         "register_generic(...) or pass approx='diagonal'.")
-  layout = DenseLayout(d_in=w_shape[0], d_out=w_shape[1],
+  k = 1 if k is None else k
+  layout = DenseLayout(d_in=math.prod(w_shape[:k]),
+                       d_out=math.prod(w_shape[k:]),
                        has_bias=layer.has_bias, num_uses=layer.num_uses)
   approx = layer.approx
   return KroneckerBlock(

@@ -1,0 +1,166 @@
+"""Scan time and compile time against depth: kfac_jax_lite vs optax.adam.
+
+Model: ``Dense(64)``, then ``depth`` residual blocks
+``x + relu(LayerNorm(Dense(64)(x)))``, then ``Dense(10)``, untagged (every
+layer is found by ``scan(..., auto_register=True)``). Two ways of writing
+the blocks:
+
+* ``unrolled``: a Python loop (one parameter leaf per block);
+* ``nn.scan``: flax ``nn.scan`` over stacked parameters ``[depth, ...]``,
+  which the scanner turns into stacked layers whose blocks are vmapped.
+
+Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition),
+``scan LN`` the same for the model with LayerNorm scale/shift parameters
+(``48 + 2`` dense and ``48`` scale-and-shift layers at depth 48);
+``adam``/``kfac compile`` the XLA compile of one jitted training step
+(``jit(...).lower(...).compile()``, lowering included); ``step`` the median
+time of a compiled step. Every number comes from this process, side by
+side.
+
+Until the scale-and-shift block lands, the LayerNorms are built without
+parameters (``use_scale=False, use_bias=False``) when
+``make_block`` has no block for them; the script says which it used.
+
+Usage:
+  python benchmarks/compile_depth.py [--depths 3 12 48] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import kfac_jax_lite as kl
+
+
+class _Block(nn.Module):
+  affine: bool
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    h = nn.LayerNorm(use_scale=self.affine, use_bias=self.affine)(
+        nn.Dense(64)(x))
+    return x + nn.relu(h), None
+
+
+class Residual(nn.Module):
+  depth: int
+  stacked: bool
+  affine: bool
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(64)(x)
+    if self.stacked:
+      blocks = nn.scan(_Block, variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=self.depth)
+      x, _ = blocks(self.affine)(x, None)
+    else:
+      for _ in range(self.depth):
+        x, _ = _Block(self.affine)(x)
+    return nn.Dense(10)(x)
+
+
+def _problem(depth, stacked, affine, batch):
+  model = Residual(depth, stacked, affine)
+  x = jax.random.normal(jax.random.PRNGKey(0), (batch, 64))
+  y = jnp.arange(batch) % 10
+  params = model.init(jax.random.PRNGKey(1), x)
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch[0])
+    logits = kl.register_categorical_predictive_distribution(logits, batch[1])
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, batch[1][:, None], axis=-1))
+
+  return loss_fn, params, (x, y)
+
+
+def _timed(fn, repeat=1):
+  times = []
+  for _ in range(repeat):
+    start = time.perf_counter()
+    out = fn()
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - start)
+  return out, statistics.median(times)
+
+
+def _step_fn(loss_fn, tx, kfac):
+  def step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    if kfac:
+      updates, state = tx.update(grads, state, params, batch=batch)
+    else:
+      updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return jax.jit(step)
+
+
+def _measure(loss_fn, params, batch, tx, kfac, steps):
+  state = tx.init(params)
+  step = _step_fn(loss_fn, tx, kfac)
+  compiled, t_compile = _timed(
+      lambda: step.lower(params, state, batch).compile())
+  params, state = compiled(params, state, batch)  # Warm up.
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    params, state = compiled(params, state, batch)
+    jax.block_until_ready(params)
+    times.append(time.perf_counter() - start)
+  return t_compile, statistics.median(times)
+
+
+def _affine_supported():
+  loss_fn, params, batch = _problem(1, False, True, 8)
+  try:
+    _ = kl.scan(loss_fn, params, batch).blocks
+    return True
+  except NotImplementedError:
+    return False
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--depths", type=int, nargs="+", default=[3, 12, 48])
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--steps", type=int, default=10)
+  args = parser.parse_args()
+  affine = _affine_supported()
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"{jax.device_count()} device(s); LayerNorm "
+        f"{'with' if affine else 'WITHOUT'} scale/shift parameters"
+        f"{'' if affine else ' (no scale_and_shift block in this version)'}")
+  header = (f"{'depth':>5}  {'blocks':<9} {'layers':>6} {'scan s':>7} "
+            f"{'scan LN s':>9} "
+            f"{'adam compile s':>14} {'kfac compile s':>14} {'ratio':>6} "
+            f"{'adam step ms':>12} {'kfac step ms':>12}")
+  print(header)
+  print("-" * len(header))
+  for depth in args.depths:
+    for stacked in (False, True):
+      loss_fn, params, batch = _problem(depth, stacked, affine, args.batch)
+      collection, t_scan = _timed(
+          lambda: kl.scan(loss_fn, params, batch, strict=True))
+      ln = _problem(depth, stacked, True, args.batch)
+      _, t_scan_ln = _timed(lambda: kl.scan(*ln, strict=True))
+      adam_c, adam_s = _measure(loss_fn, params, batch, optax.adam(1e-3),
+                                False, args.steps)
+      kfac_c, kfac_s = _measure(loss_fn, params, batch,
+                                kl.kfac(1e-3, collection), True, args.steps)
+      print(f"{depth:>5}  {'nn.scan' if stacked else 'unrolled':<9} "
+            f"{len(collection.layers):>6} {t_scan:>7.3f} {t_scan_ln:>9.3f} "
+            f"{adam_c:>14.2f} "
+            f"{kfac_c:>14.2f} {kfac_c / adam_c:>6.1f} {1e3 * adam_s:>12.2f} "
+            f"{1e3 * kfac_s:>12.2f}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
