@@ -28,6 +28,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -184,6 +185,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> list:
   """Prints the timing table and the K-FAC breakdown; returns the rows."""
   args = parse_args(argv)
+  load_before = os.getloadavg()[0]
   key = jax.random.PRNGKey(0)
   params = init_mlp(key, SIZES)
   batches = make_batches(jax.random.PRNGKey(1), 4, args.batch_size)
@@ -209,7 +211,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
   base_mean = statistics.mean(adam.times)
   print(f"MLP {'-'.join(map(str, SIZES))} tanh, batch {args.batch_size}; "
         f"jax {jax.__version__}, {jax.devices()[0].platform}, "
-        f"{platform.machine()}; {len(adam.times)} timed steps each\n")
+        f"{platform.machine()}, {os.cpu_count()} CPUs; {len(adam.times)} "
+        f"timed steps each, interleaved; OPENBLAS_NUM_THREADS="
+        f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}\n"
+        f"1-min load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after (above the CPU count: other "
+        "processes competed; expect noise)\n")
   header = (f"{'optimizer':<24} {'first call':>10} {'median':>9} "
             f"{'mean':>9} {'median/adam':>11} {'mean/adam':>9}")
   print(header)

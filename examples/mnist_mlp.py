@@ -27,13 +27,20 @@ import sys
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+# K-FAC's inverse refresh runs LAPACK (Cholesky, triangular solves) through
+# the OpenBLAS bundled with scipy. On a busy 2-core CPU its worker threads
+# fight XLA's own thread pool: this script took 67 s of K-FAC time instead of
+# 21 s with one OpenBLAS thread (see README, Performance). Set before jax
+# loads; an explicit OPENBLAS_NUM_THREADS in the environment wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import kfac_jax_lite
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax_lite  # noqa: E402
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                             "data", "mnist.npz")
@@ -185,7 +192,8 @@ def train(name: str, step: Callable, params, opt_state, data: dict, *,
   ``seed + e``. The loss of a step is the loss of its batch *before* the
   update, so an epoch's loss is the mean training loss over its batches.
   """
-  steps_per_epoch = len(data["x_train"]) // batch_size
+  total = epochs * (len(data["x_train"]) // batch_size)
+  total = total if max_steps is None else min(total, max_steps)
   key = jax.random.PRNGKey(seed)
   epoch_losses, t0, done = [], time.perf_counter(), 0
   first_step_s = None
@@ -204,8 +212,8 @@ def train(name: str, step: Callable, params, opt_state, data: dict, *,
       losses.append(loss)
       done += 1
       if log_every and done % log_every == 0:
-        print(f"  [{name}] epoch {epoch + 1} step {done:5d}"
-              f"/{steps_per_epoch * epochs}  loss {float(loss):.4f}  "
+        print(f"  [{name}] epoch {epoch + 1} step {done:5d}/{total}  "
+              f"loss {float(loss):.4f}  "
               f"{time.perf_counter() - t0:6.1f}s", flush=True)
     if not losses:
       break
@@ -224,13 +232,16 @@ def train(name: str, step: Callable, params, opt_state, data: dict, *,
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  """Parses and checks the command-line flags (see ``--help``)."""
   p = argparse.ArgumentParser(
       description="Train a tanh MLP on MNIST with K-FAC and with Adam on the "
-      "same batches, and compare their training losses.")
+      "same batches, and compare their training losses.",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--data", default=DEFAULT_DATA,
-                 help="path to mnist.npz (default: the bundled copy)")
-  p.add_argument("--epochs", type=int, default=2)
-  p.add_argument("--batch-size", type=int, default=256)
+                 help="path to mnist.npz")
+  p.add_argument("--epochs", type=int, default=2, help="passes over the data")
+  p.add_argument("--batch-size", type=int, default=256,
+                 help="examples per step (the same for both optimizers)")
   p.add_argument("--hidden", type=int, default=256,
                  help="width of each hidden layer")
   p.add_argument("--depth", type=int, default=2,
@@ -239,13 +250,18 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="stop each optimizer after this many steps in total")
   p.add_argument("--log-every", type=int, default=50,
                  help="print a progress line every N steps (0: never)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--kfac-lr", type=float, default=0.02)
-  p.add_argument("--kfac-damping", type=float, default=3e-3)
-  p.add_argument("--kfac-momentum", type=float, default=0.5)
+  p.add_argument("--seed", type=int, default=0,
+                 help="seeds the initialisation, the shuffles and sampling")
+  p.add_argument("--kfac-lr", type=float, default=0.02,
+                 help="K-FAC learning rate")
+  p.add_argument("--kfac-damping", type=float, default=3e-3,
+                 help="K-FAC Tikhonov damping")
+  p.add_argument("--kfac-momentum", type=float, default=0.5,
+                 help="K-FAC momentum (0 disables it)")
   p.add_argument("--kfac-inverse-period", type=int, default=5,
                  help="refresh the factor inverses every N steps")
-  p.add_argument("--adam-lr", type=float, default=1e-3)
+  p.add_argument("--adam-lr", type=float, default=1e-3,
+                 help="Adam learning rate")
   args = p.parse_args(argv)
   for name in ("epochs", "batch_size", "hidden", "depth"):
     if getattr(args, name) < 1:
