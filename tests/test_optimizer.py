@@ -193,7 +193,7 @@ def test_multisteps_accumulates_then_steps():
     assert (norm > 0) == ((i + 1) % 4 == 0)
     params = optax.apply_updates(params, updates)
   # The inner K-FAC ran twice.
-  assert int(state.inner_opt_state[0].count) == 2
+  assert int(state.inner_opt_state.inner[0].count) == 2
 
 
 def test_unknown_extra_args_do_not_retrace():
