@@ -1,11 +1,30 @@
-"""Curvature blocks, one family per module; :func:`make_block` picks one."""
+"""Curvature blocks, one family per module; :func:`make_block` picks one.
+
+=====================  ===================================================
+kind                   approximations (module)
+=====================  ===================================================
+``fully_connected``    ``kron``, ``kron_in_diag``, ``kron_out_diag``,
+                       ``kron_both_diag``, ``kron_indep`` (kronecker);
+                       ``kron_series_1``, ``kron_series_2`` (multi_use);
+                       ``diagonal`` (diagonal); ``full`` (full)
+``conv``               ``kron``, ``kron_indep``, ``diagonal`` (conv);
+                       ``kron_sua`` (sua)
+``depthwise_conv``     ``diagonal``, ``kron`` (depthwise)
+``separable_conv``     ``kron``, ``diagonal`` (depthwise)
+``embedding``          ``kron``, ``kron_indep`` (embedding)
+``scale_and_shift``    ``full``, ``diagonal`` (scale_and_shift)
+``generic``            ``diagonal`` (diagonal), ``full`` (full)
+=====================  ===================================================
+"""
 
 from __future__ import annotations
 
 import math
 
 from kfac_jax_lite.blocks import diagonal
+from kfac_jax_lite.blocks import full
 from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import scale_and_shift
 from kfac_jax_lite.blocks.base import BlockConfig, LayerData
 from kfac_jax_lite.collection import Layer
 
@@ -18,7 +37,13 @@ _FACTORIES = {
     ("fully_connected", "kron_out_diag"): kronecker.dense_block,
     ("fully_connected", "kron_both_diag"): kronecker.dense_block,
     ("fully_connected", "kron_indep"): kronecker.dense_block,
-    ("generic", "diagonal"): diagonal.NaiveDiagonalBlock,
+    ("fully_connected", "diagonal"): diagonal.dense_diagonal_block,
+    ("fully_connected", "full"): full.dense_full_block,
+    ("scale_and_shift", "full"): scale_and_shift.scale_and_shift_full_block,
+    ("scale_and_shift", "diagonal"):
+        scale_and_shift.scale_and_shift_diagonal_block,
+    ("generic", "diagonal"): diagonal.naive_diagonal_block,
+    ("generic", "full"): full.naive_full_block,
 }
 
 
@@ -26,10 +51,17 @@ def inner_uses(kind: str, input_shapes: tuple) -> int:
   """Uses of a layer per example at one tag site, outside any ``lax.scan``.
 
   A dense layer applied to ``x: [B, T, ..., d_in]`` is used ``T·...`` times
-  per example (each position is one use of the weights).
+  per example (each position is one use of the weights); so is an
+  embedding looking up ``ids: [B, k, ...]``. Conv locations are not uses
+  (KFC counts them in the block's scale), nor are the broadcast positions
+  of a scale-and-shift layer (its per-example gradient sums over them).
   """
-  if kind == "fully_connected" and input_shapes and len(input_shapes[0]) > 2:
+  if not input_shapes:
+    return 1
+  if kind == "fully_connected" and len(input_shapes[0]) > 2:
     return int(math.prod(input_shapes[0][1:-1]))
+  if kind == "embedding" and len(input_shapes[0]) > 1:
+    return int(math.prod(input_shapes[0][1:]))
   return 1
 
 
