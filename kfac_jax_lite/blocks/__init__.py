@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import math
 
+from kfac_jax_lite.blocks import conv
+from kfac_jax_lite.blocks import depthwise
 from kfac_jax_lite.blocks import diagonal
+from kfac_jax_lite.blocks import embedding
 from kfac_jax_lite.blocks import full
 from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import multi_use
 from kfac_jax_lite.blocks import scale_and_shift
+from kfac_jax_lite.blocks import sua
 from kfac_jax_lite.blocks.base import BlockConfig, LayerData
 from kfac_jax_lite.collection import Layer
 
@@ -37,8 +42,20 @@ _FACTORIES = {
     ("fully_connected", "kron_out_diag"): kronecker.dense_block,
     ("fully_connected", "kron_both_diag"): kronecker.dense_block,
     ("fully_connected", "kron_indep"): kronecker.dense_block,
+    ("fully_connected", "kron_series_1"): multi_use.series_block,
+    ("fully_connected", "kron_series_2"): multi_use.series_block,
     ("fully_connected", "diagonal"): diagonal.dense_diagonal_block,
     ("fully_connected", "full"): full.dense_full_block,
+    ("conv", "kron"): conv.conv_kron_block,
+    ("conv", "kron_indep"): conv.conv_kron_block,
+    ("conv", "kron_sua"): sua.conv_sua_block,
+    ("conv", "diagonal"): conv.conv_diagonal_block,
+    ("depthwise_conv", "diagonal"): depthwise.depthwise_diagonal_block,
+    ("depthwise_conv", "kron"): depthwise.depthwise_kron_block,
+    ("separable_conv", "kron"): depthwise.separable_block,
+    ("separable_conv", "diagonal"): depthwise.separable_block,
+    ("embedding", "kron"): embedding.embedding_block,
+    ("embedding", "kron_indep"): embedding.embedding_block,
     ("scale_and_shift", "full"): scale_and_shift.scale_and_shift_full_block,
     ("scale_and_shift", "diagonal"):
         scale_and_shift.scale_and_shift_diagonal_block,
