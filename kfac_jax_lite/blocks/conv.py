@@ -294,4 +294,4 @@ def conv_diagonal_block(layer: Layer, config: base.BlockConfig):
   """Exact diagonal of the per-example Fisher of a conv layer."""
   source = ConvGrads(conv_geometry(layer), conv_has_bias(layer))
   return diagonal.DiagonalBlock(layer=layer, config=config, source=source,
-                                num_params=layer.num_params)
+                                param_shapes=layer.param_shapes)

@@ -184,7 +184,7 @@ def depthwise_diagonal_block(layer: Layer, config: base.BlockConfig):
   """``diagonal`` block of a depthwise conv."""
   return diagonal.DiagonalBlock(layer=layer, config=config,
                                 source=_depthwise_source(layer),
-                                num_params=layer.num_params)
+                                param_shapes=layer.param_shapes)
 
 
 def depthwise_kron_block(layer: Layer, config: base.BlockConfig):

@@ -16,6 +16,7 @@ irrelevant) and their inverses are elementwise and computed on the fly.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -39,7 +40,11 @@ class DiagonalBlock(base.Block):
   layer: Layer
   config: base.BlockConfig
   source: Any
-  num_params: int
+  param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(math.prod(s)) for s in self.param_shapes)
 
   @property
   def needs_param_grads(self) -> bool:
@@ -83,7 +88,7 @@ def naive_diagonal_block(layer: Layer, config: base.BlockConfig):
   """Generic parameters: the diagonal of the "square of the sum" estimate."""
   return DiagonalBlock(layer=layer, config=config,
                        source=per_example.ParamGrads(),
-                       num_params=layer.num_params)
+                       param_shapes=layer.param_shapes)
 
 
 def dense_diagonal_block(layer: Layer, config: base.BlockConfig):
@@ -92,7 +97,7 @@ def dense_diagonal_block(layer: Layer, config: base.BlockConfig):
   return DiagonalBlock(
       layer=layer, config=config,
       source=per_example.DenseGrads(d_in, d_out, layer.has_bias),
-      num_params=layer.num_params)
+      param_shapes=layer.param_shapes)
 
 
 def _dense_kernel_shape(layer: Layer) -> tuple:

@@ -17,6 +17,7 @@ uses the live ``F`` and the last damping.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -40,7 +41,11 @@ class FullBlock(base.Block):
   layer: Layer
   config: base.BlockConfig
   source: Any
-  num_params: int
+  param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(math.prod(s)) for s in self.param_shapes)
 
   @property
   def needs_param_grads(self) -> bool:
@@ -116,7 +121,7 @@ def naive_full_block(layer: Layer, config: base.BlockConfig):
   """Generic parameters: the "square of the sum" full estimate."""
   return FullBlock(layer=layer, config=config,
                    source=per_example.ParamGrads(),
-                   num_params=layer.num_params)
+                   param_shapes=layer.param_shapes)
 
 
 def dense_full_block(layer: Layer, config: base.BlockConfig):
@@ -130,4 +135,4 @@ def dense_full_block(layer: Layer, config: base.BlockConfig):
   return FullBlock(
       layer=layer, config=config,
       source=per_example.DenseGrads(shape[0], shape[1], layer.has_bias),
-      num_params=layer.num_params)
+      param_shapes=layer.param_shapes)

@@ -84,11 +84,11 @@ def _source(layer: Layer) -> ScaleShiftGrads:
 def scale_and_shift_full_block(layer: Layer, config: base.BlockConfig):
   """``full`` block of ``(scale[, shift])``."""
   return full.FullBlock(layer=layer, config=config, source=_source(layer),
-                        num_params=layer.num_params)
+                        param_shapes=layer.param_shapes)
 
 
 def scale_and_shift_diagonal_block(layer: Layer, config: base.BlockConfig):
   """``diagonal`` block of ``(scale[, shift])``."""
   return diagonal.DiagonalBlock(layer=layer, config=config,
                                 source=_source(layer),
-                                num_params=layer.num_params)
+                                param_shapes=layer.param_shapes)
