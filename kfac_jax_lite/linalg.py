@@ -87,7 +87,7 @@ def damped_power(m, damping, exp):
     inv = jax.scipy.linalg.cho_solve(c, eye)
     return symmetrize(inv)
   s, u = safe_eigh(m)
-  return (u * jnp.power(s + damping, exp)) @ u.T
+  return (u * jnp.power(s + damping, exp)[None, :]) @ u.T
 
 
 def damped_powers(m, damping, exps) -> dict:
@@ -101,7 +101,7 @@ def damped_powers(m, damping, exps) -> dict:
   if m.ndim == 1 or exps in ((), (-1.0,)):
     return {e: damped_power(m, damping, e) for e in exps}
   s, u = safe_eigh(m)
-  return {e: (u * jnp.power(s + damping, e)) @ u.T for e in exps}
+  return {e: (u * jnp.power(s + damping, e)[None, :]) @ u.T for e in exps}
 
 
 def damped_cholesky(m, damping):

@@ -27,6 +27,11 @@ def _split(key, n=2):
   return [key * 7919 + i + 1 for i in range(n)]
 
 
+def trailing(p, ndim):
+  """``p`` reshaped to broadcast against a rank-``ndim`` array explicitly."""
+  return p.reshape((1,) * (ndim - p.ndim) + p.shape)
+
+
 def _grads_for(key, y_shape, uses=1):
   """Output gradients ``[S, B, U, *y_shape[1:]]``."""
   return _normal(key, (S, B, uses) + tuple(y_shape[1:]))
@@ -45,7 +50,8 @@ def dense(key, approx="kron", bias=True, uses=1, sites=1, d_in=3, d_out=2):
   layer = h.make_layer("fully_connected", approx, [p.shape for p in params],
                        num_uses=uses * sites)
   def fn(p, x):
-    return x @ p[0] + (p[1] if bias else 0.0)
+    y = x @ p[0]
+    return y + trailing(p[1], y.ndim) if bias else y
   return layer, h.layer_data(inputs, grads, params), params, fn
 
 
@@ -157,7 +163,7 @@ def separable(key, approx="kron", bias=True):
   def fn(p, x):
     dy = dw_fn(p[:1], x)
     y = jnp.einsum("bhwc,co->bhwo", dy, p[1][0, 0])
-    return y + p[2] if len(p) > 2 else y
+    return y + trailing(p[2], 4) if len(p) > 2 else y
   x = _normal(ks[3], (B, 1, 5, 4, 2))
   dy = dw_fn(params, x[:, 0])[:, None]
   y_shape = jax.eval_shape(lambda: fn(params, x[:, 0])).shape
@@ -200,7 +206,8 @@ def scale_and_shift(key, approx="full", case="layernorm"):
   if shift_shape is not None:
     params += (_normal(ks[1], shift_shape),)
   def fn(p, x):
-    return x * p[0] + (p[1] if len(p) > 1 else 0.0)
+    y = x * trailing(p[0], x.ndim)
+    return y + trailing(p[1], x.ndim) if len(p) > 1 else y
   x = _normal(ks[2], (B, 1) + x_shape[1:])
   y_shape = jax.eval_shape(lambda: fn(params, x[:, 0])).shape
   g = _grads_for(ks[3], y_shape)

@@ -98,8 +98,10 @@ def per_example_grads(fn, params, inputs, grads):
   layer output; ``inputs`` is ``[B, ...]`` and ``grads`` ``[S, B, ...]``.
   """
   def one(params, x, g):
-    out = jax.grad(lambda p: jnp.sum(fn(p, x[None]) * g[None]))(params)
-    return ravel(out)
+    def inner(p):
+      y = fn(p, x[None])
+      return jnp.sum(y * g.reshape(y.shape))
+    return ravel(jax.grad(inner)(params))
   return jax.vmap(jax.vmap(one, (None, 0, 0)), (None, None, 0))(
       params, inputs, grads)
 

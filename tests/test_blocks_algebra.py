@@ -16,6 +16,8 @@ from tests import block_cases as cases
 from tests import blocks_helpers as h
 from tests.blocks_helpers import x64  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.usefixtures("x64")  # float64 factors
+
 # One case per code path (the per-family tests check the statistics of the
 # others); "exact" damping only where it differs from "pi".
 NAMES = ["conv_diagonal", "conv_kron_oihw", "conv_sua", "conv_sua_nobias_oihw",
@@ -73,7 +75,7 @@ def _products(block, data, supports, v, tiny):
 
 @pytest.mark.parametrize("name,damping_type", [
     (n, "pi") for n in NAMES] + [(n, "exact") for n in KRONECKER_LIKE])
-def test_block_identities(x64, name, damping_type):
+def test_block_identities(name, damping_type):
   """Products are mutually consistent and match the dense block.
 
   ``multiply ∘ multiply_inverse = id``; two half powers make one;

@@ -83,7 +83,7 @@ def _conv_problem(approx):
 
   def loss_fn(p, batch):
     x = batch["x"]
-    y = lax.conv_general_dilated(x, p["w"], **CONV) + p["b"]
+    y = lax.conv_general_dilated(x, p["w"], **CONV) + p["b"][None, None, None]
     y = kfac.register_conv(y, x, p["w"], p["b"], approx=approx, **CONV)
     logits = jnp.mean(y, axis=(1, 2))
     kfac.register_categorical_predictive_distribution(logits, batch["y"])
@@ -95,7 +95,8 @@ def _conv_problem(approx):
 def _conv_output_grads(loss_fn, params, batch):
   """Per-example ∂ℓ_b/∂y as ``[B, L, O]`` (y = conv output)."""
   x = batch["x"]
-  y = lax.conv_general_dilated(x, params["w"], **CONV) + params["b"]
+  y = lax.conv_general_dilated(x, params["w"], **CONV)
+  y = y + params["b"][None, None, None]
   g = jax.vmap(jax.grad(lambda yb, lb: _nll(
       jnp.mean(yb, axis=(0, 1))[None], lb[None])[0]))(y, batch["y"])
   return np.asarray(g).reshape(B, -1, g.shape[-1])
@@ -218,7 +219,8 @@ def test_separable():
                                   "VALID", dimension_numbers=dn,
                                   feature_group_count=2)
     y = lax.conv_general_dilated(dy, p["pw"], (1, 1), "VALID",
-                                 dimension_numbers=dn) + p["pb"]
+                                 dimension_numbers=dn)
+    y = y + p["pb"][None, None, None]
     y = kfac.register_separable_conv2d(y, x, p["dw"], p["pw"], dy, p["pb"],
                                        strides=(1, 1), padding="VALID")
     logits = jnp.mean(y, axis=(1, 2))
@@ -239,7 +241,8 @@ def test_separable():
                                 "VALID", dimension_numbers=dn,
                                 feature_group_count=2)
   y = lax.conv_general_dilated(dy, params["pw"], (1, 1), "VALID",
-                               dimension_numbers=dn) + params["pb"]
+                               dimension_numbers=dn)
+  y = y + params["pb"][None, None, None]
   g = np.asarray(jax.vmap(jax.grad(lambda yb, lb: _nll(
       jnp.mean(yb, axis=(0, 1))[None], lb[None])[0]))(y, batch["y"]))
   g = g.reshape(-1, 3)
@@ -312,8 +315,8 @@ def test_scale_and_shift_full():
   def loss_fn(p, batch):
     x = batch["x"]
     xn = (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + 1e-3)
-    y = kfac.register_scale_and_shift(xn * p["scale"] + p["shift"], xn,
-                                      p["scale"], p["shift"])
+    y = xn * p["scale"][None, None] + p["shift"][None, None]
+    y = kfac.register_scale_and_shift(y, xn, p["scale"], p["shift"])
     logits = jnp.sum(jnp.tanh(y), axis=1)
     kfac.register_categorical_predictive_distribution(logits, batch["y"])
     return jnp.mean(_nll(logits, batch["y"]))
@@ -332,8 +335,8 @@ def test_dense_per_example_blocks(approx):
            "y": jnp.asarray(r.integers(0, 4, B))}
 
   def loss_fn(p, batch):
-    logits = kfac.register_dense(batch["x"] @ p["w"] + p["b"], batch["x"],
-                                 p["w"], p["b"], approx=approx)
+    logits = kfac.register_dense(batch["x"] @ p["w"] + p["b"][None],
+                                 batch["x"], p["w"], p["b"], approx=approx)
     kfac.register_categorical_predictive_distribution(logits, batch["y"])
     return jnp.mean(_nll(logits, batch["y"]))
 
@@ -393,7 +396,8 @@ def test_rnn_series(approx):
       est.init(p), p, batch, jax.random.PRNGKey(0))))(params)
   block_state = state.blocks[collection.layers.index(layer)]
   n = B * t
-  _assert_close(np.asarray(block_state.a0), np.einsum("btd,bte->de", xs, xs) / n)
+  _assert_close(np.asarray(block_state.a0),
+                np.einsum("btd,bte->de", xs, xs) / n)
   _assert_close(np.asarray(block_state.a1),
                 np.einsum("btd,bte->de", xs[:, 1:], xs[:, :-1]) / n)
   v = jax.tree.map(jnp.ones_like, params)

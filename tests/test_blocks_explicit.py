@@ -6,7 +6,6 @@ to its kernel, so nothing here reuses the library's reshapes.
 """
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +14,8 @@ import scipy.linalg
 from tests import block_cases as cases
 from tests import blocks_helpers as h
 from tests.blocks_helpers import x64  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("x64")  # float64 factors
 
 
 def _stats_state(block, data):
@@ -58,7 +59,7 @@ PER_EXAMPLE = [
 
 @pytest.mark.parametrize("name,builder,kwargs", PER_EXAMPLE,
                          ids=[p[0] for p in PER_EXAMPLE])
-def test_per_example_blocks_match_explicit_fisher(x64, name, builder, kwargs):
+def test_per_example_blocks_match_explicit_fisher(name, builder, kwargs):
   """Diagonal / full blocks are the exact (diagonal of the) Fisher."""
   layer, data, params, fn = builder(3, **kwargs)
   block = h.make_block(layer)
@@ -76,7 +77,7 @@ def test_per_example_blocks_match_explicit_fisher(x64, name, builder, kwargs):
                              atol=1e-10 * np.abs(explicit).max())
 
 
-def test_generic_full_is_square_of_the_sum(x64):
+def test_generic_full_is_square_of_the_sum():
   layer, data, params, _ = cases.generic(4, approx="full")
   pg = jnp.concatenate([g.reshape(g.shape[0], -1) for g in data.param_grads],
                        axis=1)
@@ -140,7 +141,7 @@ def _kfc_explicit(meta, data, params, bias):
 @pytest.mark.parametrize("case,bias,uses", [
     (c, True, 1) for c in sorted(cases.CONV_META)] + [
         ("nhwc_valid_dilated", False, 2), ("nchw_oihw_explicit", False, 2)])
-def test_kfc_is_patch_moment_kronecker(x64, case, bias, uses):
+def test_kfc_is_patch_moment_kronecker(case, bias, uses):
   """KFC (Grosse & Martens 2016, eq. 23): ``|T| Ω ⊗ Γ`` over patches."""
   meta = cases.CONV_META[case]
   approx = "kron" if uses == 1 else "kron_indep"
@@ -155,7 +156,7 @@ def test_kfc_is_patch_moment_kronecker(x64, case, bias, uses):
 @pytest.mark.parametrize("case,bias", [("nhwc_same_strided", True),
                                        ("nchw_oihw_explicit", False),
                                        ("ndhwc_3d_valid", True)])
-def test_sua_is_the_uncorrelated_patch_model(x64, case, bias):
+def test_sua_is_the_uncorrelated_patch_model(case, bias):
   """``Ω = I_K ⊗ Σ + m̄ m̄ᵀ`` (not TF's ``Σ ⊗ I_K``), ``Γ`` and ``c`` as KFC."""
   meta = cases.CONV_META[case]
   layer, data, params, _ = cases.conv(6, "kron_sua", case, bias=bias)
@@ -187,7 +188,7 @@ def _dense_filter(w):
 
 
 @pytest.mark.parametrize("data_format,mult", [("NHWC", 2), ("NCHW", 1)])
-def test_depthwise_kron_is_restricted_dense_kfc(x64, data_format, mult):
+def test_depthwise_kron_is_restricted_dense_kfc(data_format, mult):
   """Dense-equivalent KFC restricted to the depthwise entries, per channel."""
   layer, data, params, fn = cases.depthwise(7, "kron", mult, data_format)
   w = params[0]
@@ -212,7 +213,7 @@ def test_depthwise_kron_is_restricted_dense_kfc(x64, data_format, mult):
                              atol=1e-12 * np.abs(explicit).max())
 
 
-def test_separable_is_depthwise_diagonal_plus_pointwise_kfc(x64):
+def test_separable_is_depthwise_diagonal_plus_pointwise_kfc():
   layer, data, params, fn = cases.separable(8, "kron", bias=True)
   x = data.inputs[0][0]
   grads = h.jit(lambda: h.per_example_grads(
@@ -238,7 +239,7 @@ def test_separable_is_depthwise_diagonal_plus_pointwise_kfc(x64):
 
 
 @pytest.mark.parametrize("k,sites", [(None, 1), (3, 1), (2, 2)])
-def test_embedding_factors_are_lookup_moments(x64, k, sites):
+def test_embedding_factors_are_lookup_moments(k, sites):
   """``A = E[e_id e_idᵀ]`` (diagonal) and ``G = E[g gᵀ]`` over lookups."""
   vocab = 5
   layer, data, params, _ = cases.embedding(9, vocab=vocab, k=k, sites=sites)
@@ -256,7 +257,7 @@ def test_embedding_factors_are_lookup_moments(x64, k, sites):
                              explicit, rtol=1e-12, atol=1e-14)
 
 
-def test_embedding_kron_is_exact_fisher_for_one_id_and_shared_grads(x64):
+def test_embedding_kron_is_exact_fisher_for_one_id_and_shared_grads():
   """One id per example and one output gradient: K-FAC = the exact Fisher."""
   layer, data, params, fn = cases.embedding(10, vocab=4, k=None)
   shared = jnp.broadcast_to(data.grads[0][:, :1], data.grads[0].shape)
@@ -352,7 +353,7 @@ def test_conv_errors_are_helpful():
     h.make_block(strides)
 
 
-def test_unsupported_products_raise_value_errors(x64):
+def test_unsupported_products_raise_value_errors():
   layer, data, params, *_ = cases.build("conv_sua")
   block = h.make_block(layer, exps=(-1, 0.5))
   state = block.init()   # errors come at trace time, whatever the values

@@ -1,6 +1,5 @@
 """kron_series_1 / kron_series_2 against dense constructions (T = 3)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +8,8 @@ from kfac_jax_lite.blocks import multi_use
 from tests import block_cases as cases
 from tests import blocks_helpers as h
 from tests.blocks_helpers import x64  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("x64")  # float64 factors
 
 DAMPING = 0.05
 
@@ -33,7 +34,7 @@ def _fit(approx, t=3, seed=0):
   return block, state, data, h.random_like(2, params)
 
 
-def test_statistics_are_lag_moments(x64):
+def test_statistics_are_lag_moments():
   block, state, data, _ = _fit("kron_series_1")
   x = np.asarray(data.inputs[0][0])
   x = np.concatenate([x, np.ones(x.shape[:2] + (1,))], axis=-1)
@@ -59,7 +60,7 @@ def _option1_dense(a0, a1, g0, g1, t):
              for i in range(t) for j in range(t))
 
 
-def test_series_1_is_inverse_of_dense_model(x64):
+def test_series_1_is_inverse_of_dense_model():
   block, state, _, v = _fit("kron_series_1", t=3)
   a0, g0 = _damped(state, 3)
   dense = _option1_dense(a0, np.asarray(state.a1), g0, np.asarray(state.g1), 3)
@@ -83,7 +84,7 @@ def _option2_dense(a0, a1, g0, g1, t):
   return t * np.linalg.solve(eye - phi, np.linalg.solve(eye - phi, inner).T).T
 
 
-def test_series_2_is_inverse_of_infinite_horizon_model(x64):
+def test_series_2_is_inverse_of_infinite_horizon_model():
   block, state, _, v = _fit("kron_series_2", t=3)
   a0, g0 = _damped(state, 3)
   dense = _option2_dense(a0, np.asarray(state.a1), g0, np.asarray(state.g1), 3)
@@ -95,7 +96,7 @@ def test_series_2_is_inverse_of_infinite_horizon_model(x64):
                              rtol=1e-8, atol=1e-10 * np.abs(undamped).max())
 
 
-def test_series_2_approaches_the_finite_model_for_long_sequences(x64):
+def test_series_2_approaches_the_finite_model_for_long_sequences():
   """For an AR(1) process, Option 2 is Option 1's limit as T grows."""
   t = 40
   block, state, _, v = _fit("kron_series_2", t=t)
@@ -115,7 +116,7 @@ def test_series_2_approaches_the_finite_model_for_long_sequences(x64):
 
 
 @pytest.mark.parametrize("approx", ["kron_series_1", "kron_series_2"])
-def test_zero_cross_moment_is_kron_indep(x64, approx):
+def test_zero_cross_moment_is_kron_indep(approx):
   block, state, data, v = _fit(approx)
   zero = state._replace(a1=jnp.zeros_like(state.a1),
                         g1=jnp.zeros_like(state.g1))
@@ -132,7 +133,7 @@ def test_zero_cross_moment_is_kron_indep(x64, approx):
 
 
 @pytest.mark.parametrize("t", [1, 2, 5])
-def test_series_sum_matches_brute_force(x64, t):
+def test_series_sum_matches_brute_force(t):
   x = jnp.linspace(-1.0, 1.0, 9)
   brute = sum(x ** abs(i - j) for i in range(t) for j in range(t))
   np.testing.assert_allclose(multi_use.series_sum(x, t), brute, rtol=1e-12)

@@ -116,7 +116,7 @@ def ema_update(state, factors: dict, stats: dict, decay):
 
 
 def vector_dtype_cast(out: tuple, like: tuple) -> tuple:
-  return tuple(o.astype(l.dtype).reshape(l.shape) for o, l in zip(out, like))
+  return tuple(o.astype(x.dtype).reshape(x.shape) for o, x in zip(out, like))
 
 
 def ravel(v: tuple):
@@ -128,8 +128,8 @@ def ravel(v: tuple):
 def unravel(flat, like: tuple) -> tuple:
   """Splits a flat vector into arrays shaped and typed like ``like``."""
   out, i = [], 0
-  for l in like:
-    n = int(math.prod(l.shape))
+  for leaf in like:
+    n = int(math.prod(leaf.shape))
     out.append(flat[i:i + n])
     i += n
   return vector_dtype_cast(tuple(out), like)

@@ -9,8 +9,8 @@ convolution, with :math:`p_{b,t}` the input patch at output location ``t``
   \\Omega = \\frac{1}{B|\\mathcal T|} \\sum_{b,t} p_{b,t} p_{b,t}^T, \\quad
   \\Gamma = \\frac{1}{B|\\mathcal T|} \\sum_{s,b,t} g_{s,b,t} g_{s,b,t}^T.
 
-A conv used ``T`` times (``kron_indep``, Martens, Ba & Johnson 2018) has
-``c = |T| · T`` and the averages run over uses too. Patches come from
+A conv used ``U`` times (``kron_indep``, Martens, Ba & Johnson 2018) has
+``c = |T| · U`` and the averages run over uses too. Patches come from
 ``lax.conv_general_dilated_patches`` with the layer's strides, padding,
 dilations and dimension numbers, so strided, dilated, SAME/VALID/explicit,
 1-, 2- and 3-D and NCHW convolutions are all exact; the patch features
@@ -171,6 +171,11 @@ def conv_geometry(layer: Layer, kernel_shape=None, **overrides) -> ConvGeometry:
   kernel_shape = tuple(kernel_shape or layer.param_shapes[0])
   n = len(kernel_shape) - 2
   groups = meta.get("feature_group_count", 1)
+  if meta.get("batch_group_count", 1) != 1:
+    raise ValueError(
+        f"Layer {layer.name!r}: batch_group_count="
+        f"{meta['batch_group_count']}; conv blocks need batch_group_count=1."
+        " Register this layer with register_generic(...).")
   if groups != 1:
     raise ValueError(
         f"Layer {layer.name!r}: feature_group_count={groups}; conv blocks "

@@ -90,7 +90,7 @@ def series_sum(x, t: int):
 def _inv_sqrt_and_sqrt(c0, damping):
   s, u = linalg.safe_eigh(c0)
   s = s + damping
-  return (u * jax.lax.rsqrt(s)) @ u.T, (u * jnp.sqrt(s)) @ u.T
+  return (u * jax.lax.rsqrt(s)[None, :]) @ u.T, (u * jnp.sqrt(s)[None, :]) @ u.T
 
 
 def _pinv_sqrt_and_sqrt(c0):
@@ -98,7 +98,7 @@ def _pinv_sqrt_and_sqrt(c0):
   s, u = linalg.safe_eigh(c0)
   tol = jnp.finfo(s.dtype).eps * c0.shape[0] * jnp.max(s)
   inv = jnp.where(s > tol, jax.lax.rsqrt(jnp.where(s > tol, s, 1.0)), 0.0)
-  return (u * inv) @ u.T, (u * jnp.sqrt(s)) @ u.T
+  return (u * inv[None, :]) @ u.T, (u * jnp.sqrt(s)[None, :]) @ u.T
 
 
 def _option1_factor(c0, c1, damping, undamped=False):
@@ -236,7 +236,7 @@ class SeriesBlock(base.Block):
       _, mg, pg = _option1_factor(state.g0, state.g1, None, undamped=True)
       m = jnp.kron(ma, mg)
       f = series_sum(pa[:, None] * pg[None, :], self._t).reshape(-1)
-      return (m * f) @ m.T
+      return (m * f[None, :]) @ m.T
     isa, _ = _pinv_sqrt_and_sqrt(state.a0)
     isg, _ = _pinv_sqrt_and_sqrt(state.g0)
     phi = jnp.kron(state.a1 @ isa @ isa, state.g1 @ isg @ isg)

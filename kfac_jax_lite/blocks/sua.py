@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite import linalg
@@ -70,7 +69,7 @@ def _sm_solve(dmat, u, kappa, x):
   """``(D + κ u uᵀ)⁻¹ x`` per column; ``D, x: [R, O]``, ``u: [R]``."""
   y = x / dmat
   w = u[:, None] / dmat
-  return y - w * (kappa * (u @ y) / (1.0 + kappa * (u @ w)))
+  return y - w * (kappa * (u @ y) / (1.0 + kappa * (u @ w)))[None, :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +88,7 @@ class _Root:
     return cls(jnp.sqrt(dmat), w, alpha, alpha / (1.0 + alpha * t))
 
   def _rank1(self, x, coef):
-    return x + coef * self.w * jnp.sum(self.w * x, axis=0)
+    return x + self.w * (coef * jnp.sum(self.w * x, axis=0))[None, :]
 
   def apply(self, x, transpose, inverse):
     if not inverse:
@@ -233,9 +232,10 @@ class SUAConvBlock(base.Block):
       self._unsupported(f"multiply_matpower(exp={exp:g})")
     dmat, u, p, s, kappa = self._pieces(state)
     xt, xb = self._rotate(state, m, True)
-    if self._bias:
-      yt = _sm_solve(dmat, u, kappa, xt - (p / s) * u[:, None] * xb)
-      yb = (xb - p * (u @ yt)) / s
+    if self._bias:   # xb: [1, O]
+      shifted = xt - u[:, None] * ((p / s)[None, :] * xb)
+      yt = _sm_solve(dmat, u, kappa, shifted)
+      yb = (xb - (p * (u @ yt))[None, :]) / s[None, :]
     else:
       yt, yb = _sm_solve(dmat, u, kappa, xt), xb
     return self.layout.from_mat(self._rotate(state, (yt, yb), False), v)
@@ -252,18 +252,20 @@ class SUAConvBlock(base.Block):
       xt, xb = m[:k * c], m[k * c:]
     if not self._bias:
       yt, yb = root.apply(xt, transpose, inverse), xb
-    elif not inverse and not transpose:   # L blockdiag(C_S, √s) x
-      yt = root.apply(xt, False, False) + (p / jnp.sqrt(s)) * u[:, None] * xb
-      yb = jnp.sqrt(s) * xb
-    elif not inverse:                     # blockdiag(C_Sᵀ, √s) Lᵀ x
-      yt = root.apply(xt, True, False)
-      yb = (p / jnp.sqrt(s)) * (u @ xt) + jnp.sqrt(s) * xb
-    elif not transpose:                   # blockdiag(C_S⁻¹, 1/√s) L⁻¹ x
-      yt = root.apply(xt - (p / s) * u[:, None] * xb, False, True)
-      yb = xb / jnp.sqrt(s)
-    else:                                 # L⁻ᵀ blockdiag(C_S⁻ᵀ, 1/√s) x
-      yt = root.apply(xt, True, True)
-      yb = xb / jnp.sqrt(s) - (p / s) * (u @ yt)
+    else:                                 # xb: [1, O]
+      rs, ps = jnp.sqrt(s)[None, :], (p / s)[None, :]
+      if not inverse and not transpose:   # L blockdiag(C_S, √s) x
+        yt = root.apply(xt, False, False) + u[:, None] * (ps * rs * xb)
+        yb = rs * xb
+      elif not inverse:                   # blockdiag(C_Sᵀ, √s) Lᵀ x
+        yt = root.apply(xt, True, False)
+        yb = ps * rs * (u @ xt)[None, :] + rs * xb
+      elif not transpose:                 # blockdiag(C_S⁻¹, 1/√s) L⁻¹ x
+        yt = root.apply(xt - u[:, None] * (ps * xb), False, True)
+        yb = xb / rs
+      else:                               # L⁻ᵀ blockdiag(C_S⁻ᵀ, 1/√s) x
+        yt = root.apply(xt, True, True)
+        yb = xb / rs - ps * (u @ yt)[None, :]
     if first_rotate:
       out = jnp.concatenate([yt, yb], axis=0)
     else:
