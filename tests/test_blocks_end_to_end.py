@@ -10,6 +10,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import kfac_jax_lite as kfac
@@ -403,3 +404,72 @@ def test_rnn_series(approx):
   v = jax.tree.map(jnp.ones_like, params)
   out = est.multiply_inverse(state, v)
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
+
+
+# ---------------------------------------------------------------------------
+# All families at once through the optax transform.
+# ---------------------------------------------------------------------------
+
+
+def test_kfac_steps_with_every_block_family():
+  """conv kron + SUA, depthwise kron, embedding, scale-and-shift, a
+  kron_series_2 RNN and dense layers in one model: kfac() trains it."""
+  r = _rng(10)
+  f32 = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)  # noqa
+  params = {"c1": f32(3, 3, 2, 4), "c2": f32(3, 3, 4, 4), "dw": f32(3, 3, 4, 2),
+            "emb": f32(10, 8), "scale": f32(8), "shift": f32(8),
+            "w": f32(8, 8), "u": f32(8, 8) * 0.3, "out": f32(8, 5)}
+  batch = {"x": f32(B, 6, 6, 2), "ids": jnp.asarray(r.integers(0, 10, (B, 3))),
+           "y": jnp.asarray(r.integers(0, 5, B))}
+  dn = ("NHWC", "HWIO", "NHWC")
+
+  def conv(x, w, stride, approx=None, groups=1):
+    y = lax.conv_general_dilated(x, w, stride, "SAME", dimension_numbers=dn,
+                                 feature_group_count=groups)
+    return kfac.register_conv(y, x, w, window_strides=stride, padding="SAME",
+                              dimension_numbers=dn, approx=approx)
+
+  def loss_fn(p, batch):
+    h1 = jnp.tanh(conv(batch["x"], p["c1"], (1, 1)))
+    h2 = jnp.tanh(conv(h1, p["c2"], (2, 2), approx="kron_sua"))
+    d = lax.conv_general_dilated(h2, p["dw"].reshape(3, 3, 1, 8), (1, 1),
+                                 "SAME", dimension_numbers=dn,
+                                 feature_group_count=4)
+    d = kfac.register_depthwise_conv2d(d, h2, p["dw"], strides=(1, 1),
+                                       padding="SAME", approx="kron")
+    e = kfac.register_embedding(p["emb"][batch["ids"]], batch["ids"],
+                                p["emb"])
+    e = e.mean(1) + jnp.mean(d, axis=(1, 2))
+    xn = (e - e.mean(-1, keepdims=True)) / (e.std(-1, keepdims=True) + 1e-3)
+    e = kfac.register_scale_and_shift(
+        xn * p["scale"][None] + p["shift"][None], xn, p["scale"], p["shift"])
+
+    def step(hid, _):
+      pre = kfac.register_dense(e @ p["w"], e, p["w"])
+      return jnp.tanh(pre + hid @ p["u"]), None
+
+    hid, _ = lax.scan(step, jnp.zeros((B, 8)), None, length=3)
+    logits = kfac.register_dense(hid @ p["out"], hid, p["out"])
+    kfac.register_categorical_predictive_distribution(logits, batch["y"])
+    return jnp.mean(_nll(logits, batch["y"]))
+
+  collection = kfac.scan(loss_fn, params, batch, approximations={
+      "fully_connected_multi": "kron_series_2"})
+  kinds = {(layer.kind, layer.approx) for layer in collection.layers}
+  assert {("conv", "kron"), ("conv", "kron_sua"), ("depthwise_conv", "kron"),
+          ("embedding", "kron_indep"), ("scale_and_shift", "full"),
+          ("fully_connected", "kron_series_2")} <= kinds
+  tx = kfac.kfac(1e-2, collection, damping=1e-2, inverse_update_period=1)
+
+  @h.jit
+  def update(params, state):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state, loss
+
+  state = tx.init(params)
+  losses = []
+  for _ in range(4):
+    params, state, loss = update(params, state)
+    losses.append(float(loss))
+  assert all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
