@@ -15,6 +15,18 @@ kind                   approximations (module)
 ``scale_and_shift``    ``full``, ``diagonal`` (scale_and_shift)
 ``generic``            ``diagonal`` (diagonal), ``full`` (full)
 =====================  ===================================================
+
+Multi-use layers keep their kind (``fully_connected`` with ``kron_indep``,
+``conv`` with ``kron_indep``, ...). Every block is a frozen dataclass of
+static fields whose methods are pure functions of a state pytree; blocks
+equal up to ``layer`` act identically, so the estimator may stack them.
+
+Example:
+  >>> block = make_block(collection.layers[0], BlockConfig(exps=(-1,)))
+  >>> state = block.init()
+  >>> state = block.update_curvature(state, block.compute_stats(data), 0.95)
+  >>> state = block.update_cache(state, damping=1e-3)
+  >>> precond = block.multiply_inverse(state, (w_grad, b_grad))
 """
 
 from __future__ import annotations
@@ -85,7 +97,16 @@ def inner_uses(kind: str, input_shapes: tuple) -> int:
 def make_block(layer: Layer, config: BlockConfig | None = None):
   """The block for ``layer.kind`` and ``layer.approx``.
 
+  Args:
+    layer: a static layer description (from :func:`kfac_jax_lite.scan`).
+    config: options shared by every block; defaults to ``BlockConfig()``.
+
+  Returns:
+    A block (see :class:`~kfac_jax_lite.blocks.base.Block`).
+
   Raises:
+    ValueError: when the layer's shapes or tag options do not fit its
+      approximation (the message names the value and the fix).
     NotImplementedError: for a (kind, approx) pair with no block yet.
   """
   config = config or BlockConfig()

@@ -31,7 +31,8 @@ undamped :math:`C_1 = \\frac{1}{TB}\\sum_{t<T,b} c_{t+1} c_t^T` (dividing by
   :math:`\\hat F^{-1} V = L_A ((L_A^T V L_G) \\oslash f) L_G^T`. ``f`` is
   evaluated by Horner's rule (stable for ``|x| <= 1``, no cancellation
   near ``x = 1``). ``multiply`` (exp 1) is the same with ``M`` and
-  :math:`\\odot f`.
+  :math:`\\odot f`, from the same cache (so it is the exact inverse of
+  ``multiply_inverse``, with the factors of the last ``update_cache``).
 * ``kron_series_2`` (their Option 2, :math:`T \\to \\infty`): with the
   transition :math:`\\Phi = C_1 C_0^{-1}` and
   :math:`\\Psi\\Psi^T = W \\mathrm{diag}(m) W^T`, :math:`K = C_0^{-1/2} W`,
