@@ -72,7 +72,7 @@ class DenseGrads:
 
   (uses: scan steps, repeated tags and inner positions of ``[B, T, d]``
   inputs). With one use per example ``sum_squares`` needs no per-example
-  array (:math:`(a g^T)^{\odot 2} = a^{\odot 2} (g^{\odot 2})^T`); with
+  array (:math:`(a g^T)^{\\odot 2} = a^{\\odot 2} (g^{\\odot 2})^T`); with
   several it materialises ``[S, B, d_in, d_out]``.
   """
   d_in: int
