@@ -229,9 +229,11 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
 
 
 def _group_key(block, state):
+  """Blocks with equal keys can be stacked: same type, options, layout,
+  state shapes and parameter shapes (vectors are stacked too)."""
   shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(state))
   return (dataclasses.replace(block, layer=None), jax.tree.structure(state),
-          shapes)
+          shapes, block.layer.param_shapes)
 
 
 def _grouped(blocks, states, fn, extra=None):

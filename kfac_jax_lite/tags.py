@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
@@ -187,8 +188,10 @@ def _check_embedding(y, ids, table):
   want = tuple(ids.shape) + (table.shape[1],)
   if tuple(y.shape) != want:
     raise _shape_error(fn, "y", y.shape, want, "y must be table[ids].")
-  if not isinstance(ids, jax.core.Tracer):
-    lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+  if not isinstance(ids, jax.core.Tracer) and ids.size:
+    # NumPy, not jnp: inside a trace jnp ops on constants are staged too.
+    concrete = np.asarray(ids)
+    lo, hi = int(concrete.min()), int(concrete.max())
     if lo < 0 or hi >= table.shape[0]:
       raise ValueError(
           f"{fn}: ids range over [{lo}, {hi}], outside the vocabulary "
