@@ -60,7 +60,11 @@ def pi_adjusted_damping(a, g, damping):
   Returns:
     ``(damping_a, damping_g)``.
   """
-  ta, tg = trace_norm(a), trace_norm(g)
+  return pi_split(trace_norm(a), trace_norm(g), damping)
+
+
+def pi_split(ta, tg, damping):
+  """:func:`pi_adjusted_damping` from the normalised traces ``tr/dim``."""
   ok = (ta > 0) & (tg > 0)
   pi = jnp.where(ok, jnp.sqrt(jnp.where(ok, ta / jnp.where(ok, tg, 1.0),
                                         1.0)), 1.0)
@@ -85,7 +89,21 @@ def damped_power(m, damping, exp):
     chol_inv = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
     return chol_inv.T @ chol_inv
   s, u = safe_eigh(m)
-  return (u * jnp.power(s + damping, exp)) @ u.T
+  return (u * jnp.power(s + damping, exp)[None, :]) @ u.T
+
+
+def damped_powers(m, damping, exps) -> dict:
+  """``{e: (m + damping I)^e}`` for every ``e`` in ``exps``.
+
+  A lone inverse of a matrix uses a Cholesky solve; several powers (or any
+  other power) share one eigendecomposition, as TF K-FAC's
+  ``DenseSquareMatrixFactor.make_inverse_update_ops``.
+  """
+  exps = tuple(float(e) for e in exps)
+  if m.ndim == 1 or exps in ((), (-1.0,)):
+    return {e: damped_power(m, damping, e) for e in exps}
+  s, u = safe_eigh(m)
+  return {e: (u * jnp.power(s + damping, e)[None, :]) @ u.T for e in exps}
 
 
 def damped_cholesky(m, damping):

@@ -51,6 +51,7 @@ class KFACOptimizerState(NamedTuple):
   rho: jnp.ndarray             # [] reduction ratio at the last adaptation
   loss: jnp.ndarray            # [] h(θ) on the last batch
   new_loss: jnp.ndarray        # [] h(θ + u) at the last adaptation
+  num_skipped: jnp.ndarray     # [] int32, steps skipped (non-finite input)
 
 
 def fisher_gram(lin, vectors, axis_name=None):
@@ -170,6 +171,9 @@ def kfac_optimizer(collection: LayerCollection, *,
       ``seed``, ``stagger_inverse_updates`` and estimator options, as for
       :func:`kfac_jax_lite.scale_by_kfac`.
 
+  Steps with non-finite gradients or statistics leave the parameters and
+  the whole state untouched and are counted in ``state.num_skipped``.
+
   Example:
     >>> tx = kfac_optimizer(collection, initial_damping=1.0)
     >>> updates, state = tx.update(grads, state, params, batch=batch)
@@ -205,16 +209,9 @@ def kfac_optimizer(collection: LayerCollection, *,
         velocity=jax.tree.map(jnp.zeros_like, params),
         damping=jnp.asarray(max(initial_damping, floor), dt),
         learning_rate=z(), momentum=z(), qmodel_change=z(), rho=z(),
-        loss=z(), new_loss=z())
+        loss=z(), new_loss=z(), num_skipped=jnp.zeros((), jnp.int32))
 
-  def update_fn(grads, state, params=None, *, batch=None, stats=None,
-                **extra_args):
-    del extra_args
-    if params is None or batch is None:
-      raise ValueError(
-          "kfac_optimizer.update needs params=... and batch=... (the "
-          "quadratic model and the damping rule evaluate the loss on the "
-          "batch); statistics may still come from stats=....")
+  def update_fn(grads, state, params, *, batch, stats):
     lam = state.damping
     count = state.curvature.count
     # One forward pass: statistics (transpose), loss and J u (JVP).
@@ -261,8 +258,26 @@ def kfac_optimizer(collection: LayerCollection, *,
     return updates, KFACOptimizerState(
         curvature=cstate, velocity=updates, damping=new_lam,
         learning_rate=alpha, momentum=mu, qmodel_change=change, rho=rho,
-        loss=loss.astype(dt), new_loss=new_loss)
+        loss=loss.astype(dt), new_loss=new_loss,
+        num_skipped=state.num_skipped)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def guarded_update_fn(grads, state, params=None, *, batch=None, stats=None,
+                        **extra_args):
+    del extra_args
+    if params is None or batch is None:
+      raise ValueError(
+          "kfac_optimizer.update needs params=... and batch=... (the "
+          "quadratic model and the damping rule evaluate the loss on the "
+          "batch); statistics may still come from stats=....")
+    finite = linalg.all_finite([grads] + ([stats] if stats is not None
+                                          else []))
+    updates, new_state = lax.cond(
+        finite, lambda: update_fn(grads, state, params, batch=batch,
+                                  stats=stats),
+        lambda: (jax.tree.map(jnp.zeros_like, grads), state))
+    return updates, new_state._replace(
+        num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
+
+  return optax.GradientTransformationExtraArgs(init_fn, guarded_update_fn)
 
 

@@ -269,6 +269,41 @@ def scale_by_kfac(collection: LayerCollection, *,
   return optax.GradientTransformationExtraArgs(curvature.init, update_fn)
 
 
+class SkipNonFiniteState(NamedTuple):
+  num_skipped: jnp.ndarray  # [] int32, steps skipped (non-finite input)
+  inner: Any                # the wrapped transformation's state
+
+
+def skip_nonfinite(inner: optax.GradientTransformationExtraArgs
+                   ) -> optax.GradientTransformationExtraArgs:
+  """Skips steps whose gradients or ``stats=`` are not all finite.
+
+  On such a step the update is zero and the inner state (factors, caches,
+  momentum, damping, counters) is returned unchanged, so parameters and
+  curvature are untouched; ``num_skipped`` counts the event. Unlike
+  ``optax.apply_if_finite`` it also checks curvature statistics passed as
+  ``stats=``, and never gives up skipping. A NaN in a batch given as
+  ``batch=`` shows up in the gradients of that batch.
+  """
+
+  def init_fn(params):
+    return SkipNonFiniteState(jnp.zeros((), jnp.int32), inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    checked = [updates]
+    if extra_args.get("stats") is not None:
+      checked.append(extra_args["stats"])
+    finite = linalg.all_finite(checked)
+    new_updates, new_inner = lax.cond(
+        finite, lambda: inner.update(updates, state.inner, params,
+                                     **extra_args),
+        lambda: (jax.tree.map(jnp.zeros_like, updates), state.inner))
+    return new_updates, SkipNonFiniteState(
+        state.num_skipped + (~finite).astype(jnp.int32), new_inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          momentum: float = 0.9, weight_decay: float = 0.0,
          damping: ScalarOrSchedule = 1e-3, cov_ema_decay: float = 0.95,
@@ -295,6 +330,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
 
   Works under ``optax.inject_hyperparams`` (``learning_rate``, ``damping``,
   ``momentum``, ``weight_decay`` injectable) and ``optax.MultiSteps``.
+  Steps with non-finite gradients or statistics are skipped and counted
+  (:func:`skip_nonfinite`): ``state.num_skipped``.
   """
   check_nonnegative("learning_rate", learning_rate)
   check_nonnegative("momentum", momentum)
@@ -310,7 +347,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   if not isinstance(momentum, (int, float)) or momentum:
     parts.append(optax.trace(decay=momentum))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return optax.chain(*parts)
+  return skip_nonfinite(optax.chain(*parts))
 
 
 # Backwards-compatible name for the state of scale_by_kfac.

@@ -562,7 +562,8 @@ def test_embed_and_dense():
   ids = _labels(B, 3, n=11)
   loss_fn, params, batch = _linen(_EmbedNet(tied=False), ids, ids)
   c = kl.scan(loss_fn, params, batch, strict=True)
-  assert _summary(c) == [("embedding", 1, "kron", "auto"),
+  # ids [B, 3]: three lookups per example are three uses of the table.
+  assert _summary(c) == [("embedding", 3, "kron_indep", "auto"),
                          ("fully_connected", 3, "kron_indep", "auto")]
   (emb, rec_e), (_, rec_d) = _records(c, params, batch).values()
   assert rec_e[0].dtype == jnp.int32 and rec_e[0].shape == (B, 3)

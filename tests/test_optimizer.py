@@ -81,10 +81,11 @@ def test_quadratic_model_matches_explicit_solve_with_dense_fisher():
     tx = kl.kfac_optimizer(c, initial_damping=0.1, estimation_mode="exact",
                            adapt_damping=False, inverse_update_period=1)
     state = tx.init(params)
+    step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
     for batch in batches[:2]:
       prev = state.velocity
       grads = jax.grad(helpers.classifier_loss)(params, batch)
-      updates, state = tx.update(grads, state, params, batch=batch)
+      updates, state = step(grads, state, params, batch)
       params_before = params
       params = optax.apply_updates(params, updates)
     # Rebuild Δ from the state's (just refreshed) preconditioner.
@@ -156,9 +157,10 @@ def test_fixed_values_without_adaptation():
                          adapt_momentum=False, learning_rate=0.05,
                          momentum=0.5, initial_damping=0.3)
   state = tx.init(params)
+  step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
   for batch in batches[:3]:
     grads = jax.grad(helpers.classifier_loss)(params, batch)
-    _, state = tx.update(grads, state, params, batch=batch)
+    _, state = step(grads, state, params, batch)
   assert float(state.learning_rate) == pytest.approx(0.05)
   assert float(state.momentum) == pytest.approx(0.5)
   assert float(state.damping) == pytest.approx(0.3)
@@ -186,14 +188,15 @@ def test_multisteps_accumulates_then_steps():
   params, batches, c = _mlp_problem()
   tx = optax.MultiSteps(kl.kfac(0.1, c), every_k_schedule=4)
   state = tx.init(params)
+  step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
   for i, batch in enumerate(batches[:8]):
     grads = jax.grad(helpers.classifier_loss)(params, batch)
-    updates, state = tx.update(grads, state, params, batch=batch)
+    updates, state = step(grads, state, params, batch)
     norm = float(optax.tree.norm(updates))
     assert (norm > 0) == ((i + 1) % 4 == 0)
     params = optax.apply_updates(params, updates)
   # The inner K-FAC ran twice.
-  assert int(state.inner_opt_state[0].count) == 2
+  assert int(state.inner_opt_state.inner[0].count) == 2
 
 
 def test_unknown_extra_args_do_not_retrace():

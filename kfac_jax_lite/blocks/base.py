@@ -15,6 +15,7 @@ tuple.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -79,12 +80,18 @@ class BlockConfig:
     return tuple(sorted({float(e) for e in self.exps} - {1.0}))
 
 
+def layer_name(block) -> str:
+  """The block's layer name, for messages (sub-blocks may have no layer)."""
+  layer = getattr(block, "layer", None)
+  return "<sub-block>" if layer is None else layer.name
+
+
 def check_exp(block, exp) -> float:
   """Raises ``ValueError`` unless ``exp`` is 1 or was registered in exps."""
   exp = float(exp)
   if exp != 1.0 and exp not in block.config.cached_exps:
     raise ValueError(
-        f"multiply_matpower(exp={exp:g}) on layer {block.layer.name!r}: "
+        f"multiply_matpower(exp={exp:g}) on layer {layer_name(block)!r}: "
         f"exponent {exp:g} is not in exps={list(block.config.exps)}. Add it "
         "to the estimator's exps=... so its power is cached.")
   return exp
@@ -93,7 +100,7 @@ def check_exp(block, exp) -> float:
 def check_cached(block, flag: str, what: str):
   if not getattr(block.config, flag):
     raise ValueError(
-        f"{what} on layer {block.layer.name!r} needs {flag}=True in the "
+        f"{what} on layer {layer_name(block)!r} needs {flag}=True in the "
         "estimator (the factors are computed in update_cache).")
 
 
@@ -109,7 +116,33 @@ def ema_update(state, factors: dict, stats: dict, decay):
 
 
 def vector_dtype_cast(out: tuple, like: tuple) -> tuple:
-  return tuple(o.astype(l.dtype).reshape(l.shape) for o, l in zip(out, like))
+  return tuple(o.astype(x.dtype).reshape(x.shape) for o, x in zip(out, like))
+
+
+def ravel(v: tuple):
+  """Concatenates the flattened leaves of ``v`` in the factor dtype."""
+  dt = linalg.factor_dtype()
+  return jnp.concatenate([x.astype(dt).reshape(-1) for x in v])
+
+
+def unravel(flat, like: tuple) -> tuple:
+  """Splits a flat vector into arrays shaped and typed like ``like``."""
+  out, i = [], 0
+  for leaf in like:
+    n = int(math.prod(leaf.shape))
+    out.append(flat[i:i + n])
+    i += n
+  return vector_dtype_cast(tuple(out), like)
+
+
+def rows_per_example(num_rows: int, batch_size: int, what: str) -> int:
+  """``c = rows / B``: uses (x locations) per example, a Python int."""
+  if batch_size <= 0 or num_rows % batch_size:
+    raise ValueError(
+        f"{what}: {num_rows} statistic rows are not a multiple of "
+        f"batch_size={batch_size}. Every recorded input must have the batch "
+        "as its leading axis.")
+  return num_rows // batch_size
 
 
 class Block:

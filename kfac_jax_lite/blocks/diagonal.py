@@ -1,21 +1,30 @@
 """Diagonal blocks: ``(diag(d) + λI)^e`` on the layer's raveled parameters.
 
-``NaiveDiagonalBlock`` (generic parameters, TF K-FAC ``NaiveDiagonalFB``)
-estimates the diagonal from the gradient of the summed per-source loss,
-:math:`d = \\frac{1}{B} \\sum_s (\\sum_b g_{s,b})^2` ("square of the sum").
+.. math::
+  d = \\frac{1}{B} \\sum_{s,b} \\nabla_{s,b} \\odot \\nabla_{s,b}
+
+with :math:`\\nabla_{s,b}` the per-example gradients of a *source*
+(:mod:`.per_example`): the exact diagonal of the empirical per-example
+Fisher for dense, conv, depthwise and scale-and-shift layers (TF K-FAC
+``FullyConnectedDiagonalFB``, ``ConvDiagonalFB``,
+``ScaleAndShiftDiagonalFB``), or the "square of the sum" for generic
+parameters (``NaiveDiagonalFB``). Damping is added directly, whatever
+``damping_type``; powers, Cholesky factors (``sqrt``, so ``transpose`` is
+irrelevant) and their inverses are elementwise and computed on the fly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import per_example
 from kfac_jax_lite.collection import Layer
 
 
@@ -25,37 +34,30 @@ class DiagonalState(NamedTuple):
   damping: jnp.ndarray  # [] damping at the last update_cache
 
 
-def _ravel(v: tuple):
-  dt = linalg.factor_dtype()
-  return jnp.concatenate([x.astype(dt).reshape(-1) for x in v])
-
-
-def _unravel(flat, like: tuple) -> tuple:
-  out, i = [], 0
-  for l in like:
-    n = int(math.prod(l.shape))
-    out.append(flat[i:i + n])
-    i += n
-  return base.vector_dtype_cast(tuple(out), like)
-
-
 @dataclasses.dataclass(frozen=True)
-class NaiveDiagonalBlock(base.Block):
-  """Diagonal block from parameter gradients (generic layers)."""
+class DiagonalBlock(base.Block):
+  """Diagonal Fisher block from a source of per-example gradients."""
   layer: Layer
   config: base.BlockConfig
-  needs_param_grads = True
+  source: Any
+  param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(math.prod(s)) for s in self.param_shapes)
+
+  @property
+  def needs_param_grads(self) -> bool:
+    return self.source.needs_param_grads
 
   def init(self) -> DiagonalState:
     dt = linalg.factor_dtype()
-    return DiagonalState(diag=jnp.zeros((self.layer.num_params,), dt),
+    return DiagonalState(diag=jnp.zeros((self.num_params,), dt),
                          weight=jnp.zeros((), dt), damping=jnp.zeros((), dt))
 
   def compute_stats(self, data: base.LayerData) -> dict:
-    dt = linalg.factor_dtype()
-    g = jnp.concatenate([pg.reshape(pg.shape[0], -1).astype(dt)
-                         for pg in data.param_grads], axis=1)
-    return {"diag": jnp.sum(jnp.square(g), axis=0) / data.batch_size}
+    sq = self.source.sum_squares(data)
+    return {"diag": base.ravel(sq) / data.batch_size}
 
   def update_curvature(self, state, stats, ema_decay):
     return base.ema_update(state, ("diag",), stats, ema_decay)
@@ -63,20 +65,46 @@ class NaiveDiagonalBlock(base.Block):
   def update_cache(self, state, damping):
     return state._replace(damping=jnp.asarray(damping, state.damping.dtype))
 
+  def _damped(self, state):
+    return jnp.maximum(state.diag, 0.0) + state.damping
+
   def multiply_matpower(self, state, v, exp):
     exp = base.check_exp(self, exp)
-    d = jnp.maximum(state.diag, 0.0) + state.damping
-    return _unravel(jnp.power(d, exp) * _ravel(v), v)
+    return base.unravel(jnp.power(self._damped(state), exp) * base.ravel(v), v)
 
   def multiply_cholesky(self, state, v, transpose=False):
     del transpose  # Diagonal: C = Cᵀ.
-    d = jnp.maximum(state.diag, 0.0) + state.damping
-    return _unravel(jnp.sqrt(d) * _ravel(v), v)
+    return base.unravel(jnp.sqrt(self._damped(state)) * base.ravel(v), v)
 
   def multiply_cholesky_inverse(self, state, v, transpose=False):
     del transpose
-    d = jnp.maximum(state.diag, 0.0) + state.damping
-    return _unravel(jax.lax.rsqrt(d) * _ravel(v), v)
+    return base.unravel(jax.lax.rsqrt(self._damped(state)) * base.ravel(v), v)
 
   def full_fisher_block(self, state):
     return jnp.diag(state.diag)
+
+
+def naive_diagonal_block(layer: Layer, config: base.BlockConfig):
+  """Generic parameters: the diagonal of the "square of the sum" estimate."""
+  return DiagonalBlock(layer=layer, config=config,
+                       source=per_example.ParamGrads(),
+                       param_shapes=layer.param_shapes)
+
+
+def dense_diagonal_block(layer: Layer, config: base.BlockConfig):
+  """Dense layer: the exact diagonal of the per-example Fisher."""
+  d_in, d_out = _dense_kernel_shape(layer)
+  return DiagonalBlock(
+      layer=layer, config=config,
+      source=per_example.DenseGrads(d_in, d_out, layer.has_bias),
+      param_shapes=layer.param_shapes)
+
+
+def _dense_kernel_shape(layer: Layer) -> tuple:
+  shape = layer.param_shapes[0]
+  if len(shape) != 2:
+    raise ValueError(
+        f"Layer {layer.name!r} has kernel shape {shape}; register_dense "
+        "needs a rank-2 [d_in, d_out] kernel. Reshape it, or register it "
+        "with register_generic(...).")
+  return shape

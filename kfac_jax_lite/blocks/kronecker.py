@@ -8,7 +8,18 @@ factors' minibatch statistics are formed:
 * dense (Martens & Grosse 2015, eq. 1-3): :math:`A = E[\\bar a \\bar a^T]`
   over examples (and uses), :math:`G = E[g g^T]`, ``c`` = number of uses;
 * multi-use dense, ``kron_indep`` (Martens, Ba & Johnson 2018, sec. 3.1):
-  the same averages over the ``T`` uses, ``c = T``.
+  the same averages over the ``T`` uses, ``c = T``;
+* convolutions (KFC, Grosse & Martens 2016, eq. 23): patches over examples
+  and locations, ``c`` = locations x uses (:mod:`.conv`);
+* embeddings: a diagonal input factor of lookup frequencies
+  (:mod:`.embedding`).
+
+A layout has ``a_dim``, ``g_dim``, ``init_scale`` (``c`` before the first
+update), ``to_mat(v)``, ``from_mat(m, like)``, ``ravel_index()`` (where each
+matrix entry sits in ``ravel_pytree`` order, or None when the orders agree)
+and ``factor_stats(data, a_diagonal, g_diagonal) -> {"a", "g", "scale"}``.
+``c`` is a statistic too (``rows / B``, e.g. the number of conv output
+locations, known only from the data), kept in the state with the factors.
 
 Either factor may be kept diagonal (``kron_in_diag``, ``kron_out_diag``,
 ``kron_both_diag``), stored as a vector.
@@ -36,13 +47,53 @@ class KroneckerState(NamedTuple):
   a: jnp.ndarray        # [d_a, d_a], or [d_a] for a diagonal input factor
   g: jnp.ndarray        # [d_g, d_g], or [d_g]
   weight: jnp.ndarray   # [] total EMA weight (zero-debiasing)
+  scale: jnp.ndarray    # [] c = rows per example (locations x uses), EMA
   damping: jnp.ndarray  # [] the damping given to the last update_cache
   cache: dict           # name -> array (powers, Cholesky, eigenbases)
 
 
+def second_moment(rows, diagonal):
+  """``rowsᵀ rows / N`` (or its diagonal); ``rows`` is ``[N, d]``."""
+  n = rows.shape[0]
+  if diagonal:
+    return jnp.sum(jnp.square(rows), axis=0) / n
+  return linalg.symmetrize(rows.T @ rows) / n
+
+
+def source_moment(rows, diagonal):
+  """``Σ_s rows_sᵀ rows_s / N`` for ``rows`` of shape ``[S, N, d]``."""
+  n = rows.shape[1]
+  if diagonal:
+    return jnp.sum(jnp.square(rows), axis=(0, 1)) / n
+  return linalg.symmetrize(jnp.einsum("snd,sne->de", rows, rows)) / n
+
+
+def kron_stats(x, g, batch_size, a_diagonal, g_diagonal, what):
+  """Factor statistics from input rows ``[N, d_a]`` and grads ``[S, N, d_g]``.
+
+  .. math::
+    A = \\frac{1}{N} \\sum_n \\bar a_n \\bar a_n^T, \\quad
+    G = \\frac{1}{N} \\sum_{s, n} g_{s,n} g_{s,n}^T, \\quad c = N / B
+
+  with ``N = B c`` rows (examples x uses x locations).
+  """
+  c = base.rows_per_example(x.shape[0], batch_size, what)
+  return {"a": second_moment(x, a_diagonal), "g": source_moment(g, g_diagonal),
+          "scale": jnp.asarray(c, linalg.factor_dtype())}
+
+
+def append_ones(x):
+  """Appends the homogeneous coordinate (a column of ones) for a bias."""
+  return jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseLayout:
-  """Dense (and multi-use dense) parameters as ``V = [w; b]``."""
+  """Dense (and multi-use dense) parameters as ``V = [w; b]``.
+
+  Inputs ``[B, U, ..., d_in]`` give ``B·U·...`` rows; every position is a
+  use of the weights, so ``c = U·...`` (summed over tag sites).
+  """
   d_in: int
   d_out: int
   has_bias: bool
@@ -57,7 +108,7 @@ class DenseLayout:
     return self.d_out
 
   @property
-  def scale(self) -> int:
+  def init_scale(self) -> int:
     return self.num_uses
 
   def to_mat(self, v: tuple):
@@ -70,32 +121,60 @@ class DenseLayout:
     out = (m[: self.d_in],) + ((m[self.d_in],) if self.has_bias else ())
     return base.vector_dtype_cast(out, like)
 
+  def ravel_index(self):
+    return None  # [w; b] row-major is the ravel order of (w, b).
+
   def rows(self, data: base.LayerData):
     """Input rows ``[N, d_a]`` and gradient rows ``[S, N, d_g]``."""
     dt = linalg.factor_dtype()
     x = jnp.concatenate([inp[0].reshape(-1, self.d_in).astype(dt)
                          for inp in data.inputs], axis=0)
     if self.has_bias:
-      x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), dt)], axis=1)
+      x = append_ones(x)
     g = jnp.concatenate([gr.reshape(gr.shape[0], -1, self.d_out).astype(dt)
                          for gr in data.grads], axis=1)
     return x, g
 
-
-def _second_moment(rows, diagonal):
-  """``rowsᵀ rows / N`` (or its diagonal); ``rows`` is ``[N, d]``."""
-  n = rows.shape[0]
-  if diagonal:
-    return jnp.sum(jnp.square(rows), axis=0) / n
-  return linalg.symmetrize(rows.T @ rows) / n
+  def factor_stats(self, data, a_diagonal, g_diagonal) -> dict:
+    x, g = self.rows(data)
+    return kron_stats(x, g, data.batch_size, a_diagonal, g_diagonal,
+                      "dense layer")
 
 
-def _source_moment(rows, diagonal):
-  """``Σ_s rows_sᵀ rows_s / N`` for ``rows`` of shape ``[S, N, d]``."""
-  n = rows.shape[1]
-  if diagonal:
-    return jnp.sum(jnp.square(rows), axis=(0, 1)) / n
-  return linalg.symmetrize(jnp.einsum("snd,sne->de", rows, rows)) / n
+@dataclasses.dataclass(frozen=True)
+class MatrixLayout:
+  """A one-array parameter that *is* the ``[a_dim, g_dim]`` matrix.
+
+  Used by blocks that compute their own statistics and run a
+  :class:`KroneckerBlock` per slice (e.g. per channel of a depthwise conv).
+  """
+  a_dim: int
+  g_dim: int
+  init_scale: int = 1
+
+  def to_mat(self, v: tuple):
+    return v[0].astype(linalg.factor_dtype()).reshape(self.a_dim, self.g_dim)
+
+  def from_mat(self, m, like: tuple) -> tuple:
+    return base.vector_dtype_cast((m,), like)
+
+  def ravel_index(self):
+    return None
+
+
+def to_ravel_order(f, index):
+  """Permutes a matrix-order block to ravel order (``index`` as layouts')."""
+  if index is None:
+    return f
+  index = jnp.asarray(index)
+  return jnp.zeros_like(f).at[index[:, None], index[None, :]].set(f)
+
+
+def _add_diag(f, d):
+  """``f + d I`` for a matrix, ``f + d`` for a diagonal stored as a vector."""
+  if f.ndim == 1:
+    return f + d
+  return f + d * jnp.eye(f.shape[0], dtype=f.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,19 +212,17 @@ class KroneckerBlock(base.Block):
         cache["a" + n] = jnp.zeros_like(a)
         cache["g" + n] = jnp.zeros_like(g)
     return KroneckerState(a=a, g=g, weight=jnp.zeros((), dt),
+                          scale=jnp.asarray(self.layout.init_scale, dt),
                           damping=jnp.zeros((), dt), cache=cache)
 
   def compute_stats(self, data: base.LayerData) -> dict:
-    x, g = self.layout.rows(data)
-    return {"a": _second_moment(x, self.a_diagonal),
-            "g": _source_moment(g, self.g_diagonal)}
+    return self.layout.factor_stats(data, self.a_diagonal, self.g_diagonal)
 
   def update_curvature(self, state, stats, ema_decay):
-    return base.ema_update(state, ("a", "g"), stats, ema_decay)
+    return base.ema_update(state, ("a", "g", "scale"), stats, ema_decay)
 
   def _split_damping(self, state, damping):
-    d = damping / self.layout.scale
-    return linalg.pi_adjusted_damping(state.a, state.g, d)
+    return linalg.pi_adjusted_damping(state.a, state.g, damping / state.scale)
 
   def update_cache(self, state, damping):
     damping = jnp.asarray(damping, linalg.factor_dtype())
@@ -160,16 +237,9 @@ class KroneckerBlock(base.Block):
           cache[f"{name}_eigval"], cache[f"{name}_eigvec"] = s, u
       return state._replace(cache=cache, damping=damping)
     da, dg = self._split_damping(state, damping)
-    exps = self.config.cached_exps
     for name, f, d in (("a", state.a, da), ("g", state.g, dg)):
-      if f.ndim == 2 and (len(exps) > 1 or any(e != -1 for e in exps)):
-        # One eigendecomposition serves every registered power.
-        s, u = linalg.safe_eigh(f)
-        for e in exps:
-          cache[f"{name}^{e:g}"] = (u * jnp.power(s + d, e)) @ u.T
-      else:
-        for e in exps:
-          cache[f"{name}^{e:g}"] = linalg.damped_power(f, d, e)
+      powers = linalg.damped_powers(f, d, self.config.cached_exps)
+      cache.update({f"{name}^{e:g}": p for e, p in powers.items()})
       if self.config.compute_cholesky or self.config.compute_cholesky_inverse:
         chol = linalg.damped_cholesky(f, d)
         if self.config.compute_cholesky:
@@ -194,30 +264,29 @@ class KroneckerBlock(base.Block):
   def _exact_spectrum(self, state):
     sa, ua = self._eig(state, "a")
     sg, ug = self._eig(state, "g")
-    spec = self.layout.scale * sa[:, None] * sg[None, :] + state.damping
+    spec = state.scale * sa[:, None] * sg[None, :] + state.damping
     return spec, ua, ug
 
   def multiply_matpower(self, state, v, exp):
+    """``F̂^exp v``; ``exp=1`` uses the live factors and the last damping."""
     exp = base.check_exp(self, exp)
     m = self.layout.to_mat(v)
-    c = self.layout.scale
+    c = state.scale
     if exp == 1.0:
       if self.config.damping_type == "exact":
         out = c * linalg.matmul_right(linalg.matmul_left(state.a, m), state.g)
         out = out + state.damping * m
       else:
         da, dg = self._split_damping(state, state.damping)
-        a = state.a + (da if state.a.ndim == 1 else da * jnp.eye(
-            state.a.shape[0], dtype=state.a.dtype))
-        g = state.g + (dg if state.g.ndim == 1 else dg * jnp.eye(
-            state.g.shape[0], dtype=state.g.dtype))
-        out = c * linalg.matmul_right(linalg.matmul_left(a, m), g)
+        out = c * linalg.matmul_right(
+            linalg.matmul_left(_add_diag(state.a, da), m),
+            _add_diag(state.g, dg))
     elif self.config.damping_type == "exact":
       spec, ua, ug = self._exact_spectrum(state)
       out = self._rotate(self._rotate(m, ua, ug, True) * jnp.power(spec, exp),
                          ua, ug, False)
     else:
-      out = math.pow(c, exp) * linalg.matmul_right(
+      out = jnp.power(c, exp) * linalg.matmul_right(
           linalg.matmul_left(state.cache[f"a^{exp:g}"], m),
           state.cache[f"g^{exp:g}"])
     return self.layout.from_mat(out, v)
@@ -241,7 +310,7 @@ class KroneckerBlock(base.Block):
       la = la if la.ndim == 1 else la.T
     else:
       lg = lg if lg.ndim == 1 else lg.T
-    scale = math.pow(self.layout.scale, -0.5 if inverse else 0.5)
+    scale = jnp.power(state.scale, -0.5 if inverse else 0.5)
     out = scale * linalg.matmul_right(linalg.matmul_left(la, m), lg)
     return self.layout.from_mat(out, v)
 
@@ -259,9 +328,10 @@ class KroneckerBlock(base.Block):
     return self._cholesky_product(state, v, transpose, inverse=True)
 
   def full_fisher_block(self, state):
-    """``c · kron(A, G)``, undamped, in ravel order of ``(w, b)``."""
-    return self.layout.scale * jnp.kron(linalg.as_matrix(state.a),
-                                        linalg.as_matrix(state.g))
+    """``c · kron(A, G)``, undamped, in ravel order of the params."""
+    f = state.scale * jnp.kron(linalg.as_matrix(state.a),
+                               linalg.as_matrix(state.g))
+    return to_ravel_order(f, self.layout.ravel_index())
 
 
 def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
