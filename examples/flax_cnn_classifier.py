@@ -10,11 +10,10 @@ Both optimizers see the same batches. K-FAC is :func:`kfac_jax_lite.kfac`
 (fixed learning rate, damping and momentum; inverses refreshed every 5
 steps) fed by :func:`kfac_jax_lite.value_grad_and_stats`.
 
-Convolution blocks: if this version of the library has no curvature block
-for convolutions yet (``make_block`` raises ``NotImplementedError``), the
-script says so and scans with ``auto_register=False`` instead, so every
-parameter gets a generic diagonal block: it still trains, but that is a
-diagonal preconditioner, not K-FAC.
+Defaults: ``kfac`` learning rate 0.01, damping 0.01, momentum 0.5, picked
+on 100 steps (seed 0) from learning rates ``{0.01, 0.02, 0.03, 0.05, 0.1}``
+and dampings ``{0.01, 0.03, 0.1, 1}`` (not the full grid): 0.02 with damping
+0.01 and 0.05 with 0.01 diverged; 0.01/0.01 reached the lowest loss.
 
 Run::
 
@@ -83,24 +82,6 @@ def make_loss_fn(model: nn.Module) -> Callable:
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, batch["label"]).mean()
   return loss_fn
-
-
-def scan_model(loss_fn: Callable, params, batch) -> tuple:
-  """``(collection, note)``: automatic registration when blocks exist.
-
-  Falls back to ``auto_register=False`` (generic diagonal blocks for every
-  parameter) if some recognised layer has no curvature block yet; ``note``
-  then says why.
-  """
-  collection = kfac_jax_lite.scan(loss_fn, params, batch)
-  try:
-    kfac_jax_lite.FisherEstimator(collection)
-    return collection, ""
-  except NotImplementedError as e:
-    note = (f"NOTE: {e}\nFalling back to auto_register=False: every "
-            "parameter gets a generic *diagonal* block (not K-FAC).")
-    return kfac_jax_lite.scan(loss_fn, params, batch,
-                              auto_register=False), note
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +175,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="filters of the first convolution")
   p.add_argument("--hidden", type=int, default=128,
                  help="width of the dense hidden layer")
-  p.add_argument("--kfac-lr", type=float, default=0.05)
+  p.add_argument("--kfac-lr", type=float, default=0.01)
   p.add_argument("--kfac-damping", type=float, default=1e-2)
   p.add_argument("--kfac-momentum", type=float, default=0.5)
   p.add_argument("--adam-lr", type=float, default=1e-3)
@@ -214,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Trains with K-FAC, then Adam; returns losses and test accuracies.
 
   Returns:
-    ``{"kfac": run, "adam": run, "approx_note": str, "layers": [...]}``; a
+    ``{"kfac": run, "adam": run, "layers": [...]}``; a
     run has ``losses`` (per step), ``final_loss`` (mean of the last 20),
     ``test_accuracy``, ``seconds`` and ``first_call_s``; ``layers`` lists
     ``(name, kind, approx)`` of the collection K-FAC used.
@@ -227,10 +208,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
              "label": data["y_train"][:args.batch_size]}
   params = model.init(jax.random.PRNGKey(args.seed),
                       example["image"])["params"]
-  collection, note = scan_model(loss_fn, params, example)
+  collection = kfac_jax_lite.scan(loss_fn, params, example)  # auto_register
   print(collection.describe())
-  if note:
-    print("\n" + note)
   print(f"\njax {jax.__version__} on {jax.devices()[0].platform}; "
         f"{args.steps} steps at batch {args.batch_size}\n", flush=True)
 
@@ -239,8 +218,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                momentum=args.kfac_momentum,
                                inverse_update_period=5)
   adam_tx = optax.adam(args.adam_lr)
-  results = {"approx_note": note,
-             "layers": [(l.name, l.kind, l.approx) for l in collection.layers]}
+  results = {"layers": [(l.name, l.kind, l.approx)
+                        for l in collection.layers]}
   n_eval = min(args.eval_examples, len(data["x_test"]))
   for name, step, tx in (
       ("kfac", make_step(loss_fn, kfac_tx, collection), kfac_tx),
@@ -259,7 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   if not all(math.isfinite(x) for x in k["losses"]):
     print("WARNING: K-FAC's loss went non-finite; lower --kfac-lr or raise "
           "--kfac-damping.")
-  print(f"K-FAC{' (diagonal fallback)' if note else ''}: loss "
+  print(f"K-FAC: loss "
         f"{k['final_loss']:.4f}, accuracy {k['test_accuracy']:.4f} | Adam: "
         f"loss {a['final_loss']:.4f}, accuracy {a['test_accuracy']:.4f}")
   return results

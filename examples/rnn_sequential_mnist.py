@@ -12,9 +12,6 @@ curvature approximation is chosen with ``--approx``:
 * ``kron_series_1`` / ``kron_series_2``: the linear-Gaussian time-series
   models of Martens, Ba & Johnson (2018), options 1 and 2.
 
-If this version of the library has no block for the chosen approximation
-yet, the script says so and uses ``kron_indep``.
-
 The optimizer is :func:`kfac_jax_lite.kfac_optimizer` (adaptive damping,
 learning rate and momentum; the same recipe as TF K-FAC's RNN example,
 initial damping from ``--kfac-damping``) against ``optax.adam`` on the same
@@ -99,22 +96,6 @@ def loss_fn(params: dict, batch: dict) -> jnp.ndarray:
       logits, batch["label"])
   return optax.softmax_cross_entropy_with_integer_labels(
       logits, batch["label"]).mean()
-
-
-def scan_with(params, batch, approx: str) -> tuple:
-  """``(collection, used approx, note)``; falls back to ``kron_indep``."""
-  collection = kfac_jax_lite.scan(
-      loss_fn, params, batch,
-      approximations={"fully_connected_multi": approx})
-  try:
-    kfac_jax_lite.FisherEstimator(collection)
-    return collection, approx, ""
-  except NotImplementedError as e:
-    if approx == "kron_indep":
-      raise
-    note = (f"NOTE: {e}\n--approx {approx} has no block in this version "
-            "of kfac_jax_lite; using kron_indep instead.")
-    return scan_with(params, batch, "kron_indep")[:2] + (note,)
 
 
 # ---------------------------------------------------------------------------
@@ -224,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Trains with kfac_optimizer, then Adam, from the same initialisation.
 
   Returns:
-    ``{"kfac": run, "adam": run, "approx": used, "approx_note": str}``; a
+    ``{"kfac": run, "adam": run, "layers": [(name, approx, uses)]}``; a
     run has ``losses`` (per step), ``final_loss`` (mean of the last 20),
     ``test_accuracy``, ``seconds`` and ``first_call_s``.
   """
@@ -232,13 +213,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   data = load_mnist(args.data)
   params = init_params(jax.random.PRNGKey(args.seed), args.hidden)
   example = next(batches(data, 1, args.batch_size, args.seed))
-  collection, used, note = scan_with(params, example, args.approx)
+  collection = kfac_jax_lite.scan(
+      loss_fn, params, example,
+      approximations={"fully_connected_multi": args.approx})
   print(collection.describe())
-  if note:
-    print("\n" + note)
   print(f"\njax {jax.__version__} on {jax.devices()[0].platform}; "
-        f"{args.steps} steps at batch {args.batch_size}; recurrent layers: "
-        f"{used}\n", flush=True)
+        f"{args.steps} steps at batch {args.batch_size}\n", flush=True)
 
   kfac_tx = kfac_jax_lite.kfac_optimizer(collection,
                                          initial_damping=args.kfac_damping)
@@ -246,7 +226,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   describe = lambda s: (f"  damping {float(s.damping):.3g} lr "  # noqa: E731
                         f"{float(s.learning_rate):.3g} momentum "
                         f"{float(s.momentum):.3g}")
-  results = {"approx": used, "approx_note": note}
+  results = {"layers": [(l.name, l.approx, l.num_uses)
+                        for l in collection.layers]}
   for name, step, tx, extra in (
       ("kfac", make_step(kfac_tx, collection), kfac_tx,
        {"describe": describe}),
@@ -258,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"{run['first_call_s']:.1f}s)\n", flush=True)
     results[name] = run
   k, a = results["kfac"], results["adam"]
-  print(f"K-FAC ({used}): loss {k['final_loss']:.4f}, accuracy "
+  print(f"K-FAC ({args.approx}): loss {k['final_loss']:.4f}, accuracy "
         f"{k['test_accuracy']:.4f} | Adam: loss {a['final_loss']:.4f}, "
         f"accuracy {a['test_accuracy']:.4f}")
   return results

@@ -78,11 +78,9 @@ def test_flax_cnn_classifier_runs(capsys):
     assert len(results[name]["losses"]) == 3, name
     assert _finite(results[name]["losses"]), name
     assert 0.0 <= results[name]["test_accuracy"] <= 1.0
-  kinds = {kind for _, kind, _ in results["layers"]}
-  if results["approx_note"]:  # No conv block yet: diagonal fallback.
-    assert kinds == {"generic"}
-  else:
-    assert {"conv", "fully_connected"} <= kinds
+  # Untagged: automatic registration found every layer, none generic.
+  assert [kind for _, kind, _ in results["layers"]] == [
+      "conv", "conv", "fully_connected", "fully_connected"]
   assert "found by" in capsys.readouterr().out  # describe() was printed.
 
 
@@ -96,13 +94,15 @@ def test_nnx_mlp_runs():
     assert _finite(results[name]["losses"]), name
 
 
-def test_rnn_sequential_mnist_runs(approx="kron_series_1"):
+@pytest.mark.parametrize("approx", ["kron_indep", "kron_series_2"])
+def test_rnn_sequential_mnist_runs(approx):
   rnn = _load_example("rnn_sequential_mnist")
   results = rnn.main(["--steps", "3", "--batch-size", "16", "--hidden",
                       "8", "--eval-examples", "64", "--log-every", "0",
                       "--approx", approx])
-  assert results["approx"] in (approx, "kron_indep")
-  assert (results["approx"] == approx) == (not results["approx_note"])
+  # The input and recurrent layers are used once per row (28 times).
+  assert results["layers"][:2] == [("['w_in'] + ['b_in']", approx, 28),
+                                   ("['w_rec']", approx, 28)]
   for name in ("kfac", "adam"):
     assert len(results[name]["losses"]) == 3, name
     assert _finite(results[name]["losses"]), name
