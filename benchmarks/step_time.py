@@ -202,9 +202,10 @@ def timeit(fn: Callable, *args, repeats: int = 20) -> float:
 def flops_and_compile(fn: Callable, *args) -> tuple:
   """XLA's flop estimate for ``fn(*args)`` (nan if absent), compile seconds.
 
-  The compile time is XLA's alone (``lowered.compile()``), lowering apart.
+  The compile time is XLA's alone (``lowered.compile()``), lowering apart;
+  a fresh wrapper keeps JAX's caches from answering for an earlier jit.
   """
-  lowered = jax.jit(fn).lower(*args)
+  lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
   t0 = time.perf_counter()
   compiled = lowered.compile()
   seconds = time.perf_counter() - t0

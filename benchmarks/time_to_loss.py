@@ -239,7 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"{rows[-1]['interleaved_ratio']:.2f}x |")
   print(f"\nmean step time, interleaved (5 rounds of 10 steps each): "
         f"kfac_optimizer {1e3 * per_step['kfac']:.0f} ms, adam "
-        f"{1e3 * per_step['adam']:.0f} ms ({per_step['kfac'] / per_step['adam']:.2f}x); "
+        f"{1e3 * per_step['adam']:.0f} ms "
+        f"({per_step['kfac'] / per_step['adam']:.2f}x); "
         "last column: steps ratio x step-time ratio, which load bursts "
         "during one run do not skew")
   print(f"first call (trace + compile + one step): kfac_optimizer "

@@ -17,7 +17,7 @@ and dampings ``{0.01, 0.03, 0.1, 1}`` (not the full grid): 0.02 with damping
 
 Run::
 
-  python examples/flax_cnn_classifier.py               # ~1-2 minutes on CPU
+  python examples/flax_cnn_classifier.py               # ~30-60 s on 2 CPUs
   python examples/flax_cnn_classifier.py --steps 500 --channels 32
 """
 
@@ -218,8 +218,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                momentum=args.kfac_momentum,
                                inverse_update_period=5)
   adam_tx = optax.adam(args.adam_lr)
-  results = {"layers": [(l.name, l.kind, l.approx)
-                        for l in collection.layers]}
+  results = {"layers": [(layer.name, layer.kind, layer.approx)
+                        for layer in collection.layers]}
   n_eval = min(args.eval_examples, len(data["x_test"]))
   for name, step, tx in (
       ("kfac", make_step(loss_fn, kfac_tx, collection), kfac_tx),

@@ -338,7 +338,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  "1.0; 150 with --paper)")
   p.add_argument("--window", type=int, default=20,
                  help="steps averaged in the reported losses")
-  p.add_argument("--log-every", type=int, default=25,
+  p.add_argument("--log-every", type=int, default=20,
                  help="print a progress line every N steps (0: never)")
   p.add_argument("--seed", type=int, default=0,
                  help="seeds initialisation, batches and sampling")
@@ -365,8 +365,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   Returns:
     ``{"kfac": run, "adam": run, "by_step": rows, "by_time": rows}``; a run
     has ``losses`` and ``times`` (per step), ``steps``, ``seconds``,
-    ``first_call_s`` (compile + one step) and ``squared_error`` (on the first 10000 training
-    images); rows are ``(step or seconds, kfac loss, adam loss)``.
+    ``first_call_s`` (compile + one step) and ``squared_error`` (on the
+    first 10000 training images); rows are ``(step or seconds, kfac loss,
+    adam loss)``.
   """
   args = parse_args(argv)
   images = load_images(args.data)

@@ -16,7 +16,7 @@ Adam runs through the same code on the same batches.
 
 Run::
 
-  python examples/nnx_mlp.py                 # ~1 minute on CPU
+  python examples/nnx_mlp.py                 # ~15-30 s on 2 CPUs
   python examples/nnx_mlp.py --steps 1000 --hidden 512
 """
 

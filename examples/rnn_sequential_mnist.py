@@ -19,7 +19,7 @@ batches.
 
 Run::
 
-  python examples/rnn_sequential_mnist.py                # ~2 minutes on CPU
+  python examples/rnn_sequential_mnist.py                # ~20-40 s on 2 CPUs
   python examples/rnn_sequential_mnist.py --approx kron_series_1
 """
 
@@ -226,8 +226,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   describe = lambda s: (f"  damping {float(s.damping):.3g} lr "  # noqa: E731
                         f"{float(s.learning_rate):.3g} momentum "
                         f"{float(s.momentum):.3g}")
-  results = {"layers": [(l.name, l.approx, l.num_uses)
-                        for l in collection.layers]}
+  results = {"layers": [(layer.name, layer.approx, layer.num_uses)
+                        for layer in collection.layers]}
   for name, step, tx, extra in (
       ("kfac", make_step(kfac_tx, collection), kfac_tx,
        {"describe": describe}),
