@@ -170,6 +170,12 @@ def kfac_optimizer(collection: LayerCollection, *,
       ``seed``, ``stagger_inverse_updates`` and estimator options, as for
       :func:`kfac_jax_lite.scale_by_kfac`.
 
+  Data parallel (``axis_name=`` under ``pmap``/``shard_map``): the
+  statistics, the loss ``h`` and the Fisher Gram ``M`` are averaged over the
+  axis, so ``α``, ``μ``, ``ρ`` and ``λ`` are the same on every replica;
+  average the gradients yourself (``lax.pmean(grads, axis_name)``) before
+  ``update``.
+
   Example:
     >>> tx = kfac_optimizer(collection, initial_damping=1.0)
     >>> updates, state = tx.update(grads, state, params, batch=batch)
