@@ -5,6 +5,8 @@ device with the whole batch; the data-parallel runs give each of the 4
 devices a quarter of it.
 """
 
+import os
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -126,14 +128,22 @@ def _factors(state):
           for b in state.estimator.blocks]
 
 
+@pytest.fixture(name="one_device", scope="module")
+def _one_device():
+  return {}  # estimation mode -> (directions, state), filled once per mode
+
+
 @pytest.mark.parametrize("mode", ["empirical", "exact"])
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map", "jit"])
-def test_data_parallel_matches_one_device(problem, mesh, mapping, mode):
+def test_data_parallel_matches_one_device(problem, mesh, one_device, mapping,
+                                          mode):
   params, batches, c = problem
   make = lambda axis: kl.scale_by_kfac(  # noqa: E731
       c, damping=1e-2, estimation_mode=mode, inverse_update_period=1,
       axis_name=axis)
-  want_dirs, want = _steps("one", make, params, batches, mesh)
+  if mode not in one_device:
+    one_device[mode] = _steps("one", make, params, batches, mesh)
+  want_dirs, want = one_device[mode]
   got_dirs, got = _steps(mapping, make, params, batches, mesh)
   assert len(_factors(want)) == 5 and "diag" in _factors(want)[1]
   helpers.assert_trees_close(_factors(got), _factors(want), rtol=1e-5)
@@ -229,7 +239,7 @@ def test_stats_synced_before_refresh(problem):
   equals the factors of averaging at every update (the EMA is linear)."""
   params, batches, c = problem
   batches = batches + [helpers.classification_batch(
-      jax.random.PRNGKey(50 + i), 16, 6, 3) for i in range(2)]
+      jax.random.PRNGKey(50), 16, 6, 3)]  # Refreshes at steps 0 and 3.
 
   def run(sync):
     tx = kl.scale_by_kfac(c, damping=1e-2, inverse_update_period=3,
@@ -261,13 +271,14 @@ def test_stats_synced_before_refresh(problem):
 
 @pytest.mark.parametrize("mapping,kwargs", [
     ("pmap", {}),
-    ("pmap", {"damping_type": "exact"}),
-    ("pmap", {"stagger_inverse_updates": True, "inverse_update_period": 2}),
+    ("pmap", {"damping_type": "exact", "stagger_inverse_updates": True,
+              "inverse_update_period": 2}),
     ("pmap", {"stats_sync": "before_refresh", "exps": (-1, -0.5),
               "compute_cholesky": True}),
     ("shard_map", {})])
 def test_distributed_inverses_match_local(problem, mesh, mapping, kwargs):
   params, batches, c = problem
+  batches = batches[:2]
   kwargs = {"inverse_update_period": 1, **kwargs}
 
   def make(dist):
@@ -348,3 +359,54 @@ def test_stats_reduced_differently_are_rejected(problem):
 def test_bad_options(problem, kwargs, match):
   with pytest.raises(ValueError, match=match):
     kl.scale_by_kfac(problem[2], **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Examples and multiple processes.
+# ---------------------------------------------------------------------------
+
+
+def _example(name):
+  from tests.test_examples import _load_example  # pylint: disable=g-import-not-at-top
+  return _load_example(name)
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("pmap_data_parallel", ["--distributed-inverses"]),
+    ("shard_map_data_parallel", ["--stats-sync", "before_refresh"])])
+def test_data_parallel_examples_run(name, flags, capsys):
+  if jax.device_count() < R:
+    pytest.skip(f"needs {R} devices")
+  res = _example(name).main(
+      ["--devices", str(R), "--steps", "3", "--hidden", "16", "--depth", "1",
+       "--batch-size", "32", "--train-size", "256", "--inverse-period", "2",
+       "--log-every", "1", *flags])
+  assert res["devices"] == R and res["steps"] == 3
+  assert len(res["losses"]) == 3 and all(np.isfinite(res["losses"]))
+  assert 0.0 <= res["test_accuracy"] <= 1.0
+  assert "final loss" in capsys.readouterr().out
+
+
+def test_two_processes_match_one_process(tmp_path):
+  """jax.distributed on loopback (gloo), 2 processes x 1 CPU device, 5
+  steps, against one process with the combined batch."""
+  mp = _example("multiprocess_data_parallel")
+  out = mp.main(["--num-processes", "2", "--steps", "5", "--timeout", "240",
+                 "--estimation-mode", "empirical",
+                 "--out", str(tmp_path / "result.npz")])
+  batches = mp.synthetic_batches(0, 5, 64, 8, 4)
+  ref = mp.train(Mesh(np.array(jax.devices()[:1]), (mp.AXIS,)), batches,
+                 estimation_mode="empirical")
+  assert ref["losses"][-1] < ref["losses"][0]
+  np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+  helpers.assert_trees_close(out["params"], ref["params"], rtol=1e-5)
+
+
+def test_launcher_kills_workers_on_timeout():
+  mp = _example("multiprocess_data_parallel")
+  with pytest.raises(mp.LaunchError, match="failed") as info:
+    mp.main(["--num-processes", "2", "--steps", "5", "--timeout", "1"])
+  assert len(info.value.pids) == 2
+  for pid in info.value.pids:
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
