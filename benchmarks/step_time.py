@@ -1,13 +1,23 @@
 """Step time of K-FAC against Adam, measured side by side in one process.
 
-Model: a tagged ``784-512-512-10`` tanh MLP, batch 256, softmax
-cross-entropy. Every optimizer runs the same jitted step structure: loss and
-gradient (for K-FAC: :func:`kfac_jax_lite.value_grad_and_stats`, which also
-returns the curvature statistics), ``tx.update``, ``optax.apply_updates``.
+Two models (``--models``):
+
+* ``mlp``: a tagged ``784-512-512-10`` tanh MLP, batch 256, softmax
+  cross-entropy; ``kfac`` at each inverse period;
+* ``autoencoder``: the deep autoencoder of ``examples/mnist_autoencoder.py``
+  (``784-1000-500-250-30-250-500-1000-784``, sigmoid cross-entropy plus
+  L2), batch 500; ``kfac`` and ``kfac_optimizer`` at each inverse period.
+
+Every optimizer runs the same jitted step structure: loss and gradient
+(for K-FAC: :func:`kfac_jax_lite.value_grad_and_stats`, which also returns
+the curvature statistics), ``tx.update`` (``kfac_optimizer`` also gets
+``batch=`` for its quadratic model), ``optax.apply_updates``.
 
 Reported per optimizer:
 
-* ``first call``: trace + compile + one step, to ``block_until_ready``;
+* ``first call``: trace + compile + one step, to ``block_until_ready``,
+  in wall-clock seconds and in CPU seconds of this process (all threads;
+  on a busy machine the wall clock grows, the CPU time much less);
 * ``median`` and ``mean`` step time over the timed steps. With
   ``inverse_update_period=k`` one step in ``k`` also refreshes the inverses,
   so the median is the cost of an ordinary step and the mean the amortised
@@ -16,33 +26,65 @@ Reported per optimizer:
 
 To damp the noise of a shared machine the timed steps are interleaved: each
 round runs a few steps of every optimizer in turn. A breakdown of the K-FAC
-step (forward/backward alone, with statistics, the inverse refresh alone, and
-XLA's flop estimate) follows the table.
+step (each piece jitted alone, with XLA's flop estimate, and the first
+call split into tracing/lowering and XLA compilation) follows each table.
 
 Run from the repository root::
 
-  python benchmarks/step_time.py              # ~1 minute on a 2-core CPU
-  python benchmarks/step_time.py --rounds 10 --steps-per-round 10
+  python benchmarks/step_time.py              # ~5 minutes on a 2-core CPU
+  python benchmarks/step_time.py --models mlp --rounds 10
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import os
+import pathlib
 import platform
 import statistics
 import sys
 import time
 from typing import Callable, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+# One OpenBLAS thread unless the caller chose (README, Performance): the
+# inverse refresh's LAPACK calls otherwise fight XLA's thread pool.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import kfac_jax_lite
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
+import kfac_jax_lite  # noqa: E402
+from kfac_jax_lite import optimizer as optimizer_lib  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = (784, 512, 512, 10)
+
+
+def load_example(name: str):
+  """Imports ``examples/<name>.py`` (examples is not a package)."""
+  spec = importlib.util.spec_from_file_location(
+      f"example_{name}", ROOT / "examples" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+# ---------------------------------------------------------------------------
+# Models: a loss function, initial parameters and a few batches.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  name: str
+  loss_fn: Callable
+  params: object
+  batches: list
 
 
 def init_mlp(key, sizes: Sequence[int]) -> dict:
@@ -56,7 +98,7 @@ def init_mlp(key, sizes: Sequence[int]) -> dict:
   return params
 
 
-def loss_fn(params: dict, batch: dict):
+def mlp_loss_fn(params: dict, batch: dict):
   """Mean softmax cross-entropy of the tanh MLP; every layer tagged."""
   x, n = batch["x"], len(params)
   for i in range(n):
@@ -70,17 +112,35 @@ def loss_fn(params: dict, batch: dict):
       logits, batch["y"]).mean()
 
 
-def make_batches(key, num: int, batch_size: int) -> list:
-  """``num`` random batches of MNIST shape (values do not affect timing)."""
-  out = []
-  for k in jax.random.split(key, num):
+def mlp_problem(batch_size: int) -> Problem:
+  """Random batches of MNIST shape (values do not affect timing)."""
+  batches = []
+  for k in jax.random.split(jax.random.PRNGKey(1), 4):
     kx, ky = jax.random.split(k)
-    out.append({"x": jax.random.uniform(kx, (batch_size, SIZES[0])),
-                "y": jax.random.randint(ky, (batch_size,), 0, SIZES[-1])})
-  return out
+    batches.append({"x": jax.random.uniform(kx, (batch_size, SIZES[0])),
+                    "y": jax.random.randint(ky, (batch_size,), 0, SIZES[-1])})
+  return Problem(f"MLP {'-'.join(map(str, SIZES))} tanh, batch {batch_size}",
+                 mlp_loss_fn, init_mlp(jax.random.PRNGKey(0), SIZES), batches)
 
 
-def adam_step(tx) -> Callable:
+def autoencoder_problem(batch_size: int) -> Problem:
+  """The example's autoencoder on real MNIST batches."""
+  ae = load_example("mnist_autoencoder")
+  images = ae.load_images(ae.DEFAULT_DATA)
+  sizes = ae.layer_sizes(1.0)
+  batches = [jnp.asarray(images[i * batch_size:(i + 1) * batch_size])
+             for i in range(4)]
+  return Problem(f"autoencoder {'-'.join(map(str, sizes))}, batch "
+                 f"{batch_size}", ae.loss_fn,
+                 ae.init_params(jax.random.PRNGKey(0), sizes), batches)
+
+
+# ---------------------------------------------------------------------------
+# Steps and timing.
+# ---------------------------------------------------------------------------
+
+
+def adam_step(loss_fn, tx) -> Callable:
   def step(params, state, batch, rng):
     del rng
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -89,12 +149,14 @@ def adam_step(tx) -> Callable:
   return jax.jit(step)
 
 
-def kfac_step(tx, collection) -> Callable:
+def kfac_step(loss_fn, tx, collection, pass_batch: bool = False) -> Callable:
+  """K-FAC's step; ``pass_batch`` for kfac_optimizer (quadratic model)."""
   vgs = kfac_jax_lite.value_grad_and_stats(loss_fn, collection)
 
   def step(params, state, batch, rng):
     loss, grads, stats = vgs(params, batch, rng)
-    updates, state = tx.update(grads, state, params, stats=stats)
+    extra = {"batch": batch} if pass_batch else {}
+    updates, state = tx.update(grads, state, params, stats=stats, **extra)
     return optax.apply_updates(params, updates), state, loss
   return jax.jit(step)
 
@@ -102,23 +164,25 @@ def kfac_step(tx, collection) -> Callable:
 class Runner:
   """One optimizer's jitted step, its current state, and its timings."""
 
-  def __init__(self, name: str, step: Callable, tx, params, batches):
-    self.name, self.step, self.batches = name, step, batches
+  def __init__(self, name: str, make_step: Callable, tx, params, batches):
+    self.name, self.batches = name, batches
+    self.make_step, self.step = make_step, make_step()
     self.params, self.state = params, tx.init(params)
     self.key, self.count, self.times = jax.random.PRNGKey(1), 0, []
-    self.first_call_s = None
+    self.first_call_s = self.first_call_cpu_s = None
 
   def run(self, num: int, record: bool) -> None:
     for _ in range(num):
       batch = self.batches[self.count % len(self.batches)]
       rng = jax.random.fold_in(self.key, self.count)
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       self.params, self.state, loss = self.step(self.params, self.state,
                                                 batch, rng)
       loss.block_until_ready()
       dt = time.perf_counter() - t0
       if self.first_call_s is None:
         self.first_call_s = dt
+        self.first_call_cpu_s = time.process_time() - c0
       elif record:
         self.times.append(dt)
       self.count += 1
@@ -135,23 +199,46 @@ def timeit(fn: Callable, *args, repeats: int = 20) -> float:
   return statistics.median(ts)
 
 
-def flops(fn: Callable, *args) -> float:
-  """XLA's flop estimate for the compiled ``fn(*args)`` (nan if absent)."""
-  cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+def flops_and_compile(fn: Callable, *args) -> tuple:
+  """XLA's flop estimate for ``fn(*args)`` (nan if absent), compile seconds.
+
+  The compile time is XLA's alone (``lowered.compile()``), lowering apart.
+  """
+  lowered = jax.jit(fn).lower(*args)
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  seconds = time.perf_counter() - t0
+  cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
-  return float((cost or {}).get("flops", float("nan")))
+  return float((cost or {}).get("flops", float("nan"))), seconds
 
 
-def breakdown(collection, params, batch, damping: float) -> list:
-  """Rows ``(part, median ms, GFLOP)`` of the pieces of a K-FAC step."""
+def compile_split(runner: Runner, batch) -> tuple:
+  """``(trace + lower, XLA compile)`` seconds of a runner's step, cold.
+
+  A new closure, so no trace cache applies.
+  """
+  step = runner.make_step()
+  args = (runner.params, runner.state, batch, jax.random.PRNGKey(0))
+  t0 = time.perf_counter()
+  lowered = step.lower(*args)
+  t1 = time.perf_counter()
+  lowered.compile()
+  return t1 - t0, time.perf_counter() - t1
+
+
+def breakdown(problem: Problem, collection, damping: float,
+              with_optimizer: bool) -> list:
+  """Rows ``(part, median ms, GFLOP, compile s)`` of a K-FAC step's pieces."""
+  loss_fn, params, batch = problem.loss_fn, problem.params, problem.batches[0]
   rng = jax.random.PRNGKey(0)
   vgs = kfac_jax_lite.value_grad_and_stats(loss_fn, collection)
   est = kfac_jax_lite.FisherEstimator(collection, damping=damping)
   _, grads, stats = jax.jit(vgs)(params, batch, rng)
   est_state = est.update_cache(est.update_curvature(est.init(params),
                                                     stats=stats))
-  parts = (
+  parts = [
       ("value_and_grad (what Adam computes)", jax.value_and_grad(loss_fn),
        (params, batch)),
       ("value_grad_and_stats (+ A, G statistics)", vgs, (params, batch, rng)),
@@ -159,47 +246,62 @@ def breakdown(collection, params, batch, damping: float) -> list:
        lambda s, st: est.update_curvature(s, stats=st), (est_state, stats)),
       ("update_cache (damped inverses)", est.update_cache, (est_state,)),
       ("multiply_inverse (precondition)", est.multiply_inverse,
-       (est_state, grads)),
-  )
-  return [(name, 1e3 * timeit(jax.jit(fn), *args), flops(fn, *args) / 1e9)
-          for name, fn, args in parts]
+       (est_state, grads))]
+  if with_optimizer:
+    def gram(p, b, u, v):  # kfac_optimizer: one linearisation, two JVPs.
+      return optimizer_lib.fisher_gram(est.linearize(p, b), [u, v])
+    parts += [
+        ("kfac_optimizer: linearize + 2 Fisher JVPs", gram,
+         (params, batch, grads, grads)),
+        ("kfac_optimizer: loss at θ+u (every 5th step)", loss_fn,
+         (params, batch))]
+  rows = []
+  for name, fn, args in parts:
+    gflop, compile_s = flops_and_compile(fn, *args)
+    rows.append((name, 1e3 * timeit(jax.jit(fn), *args), gflop / 1e9,
+                 compile_s))
+  return rows
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--batch-size", type=int, default=256)
-  p.add_argument("--periods", default="1,5,20",
-                 help="K-FAC inverse_update_period values, comma-separated")
-  p.add_argument("--warmup", type=int, default=5,
-                 help="untimed steps per optimizer after the first call")
-  p.add_argument("--rounds", type=int, default=6)
-  p.add_argument("--steps-per-round", type=int, default=20,
-                 help="timed steps per optimizer per round (>= 30 in all)")
-  p.add_argument("--damping", type=float, default=1e-2)
-  args = p.parse_args(argv)
-  if args.rounds * args.steps_per_round < 30:
-    p.error("time at least 30 steps: rounds * steps-per-round >= 30")
-  return args
+# ---------------------------------------------------------------------------
+# One table per model.
+# ---------------------------------------------------------------------------
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list:
-  """Prints the timing table and the K-FAC breakdown; returns the rows."""
-  args = parse_args(argv)
-  load_before = os.getloadavg()[0]
-  key = jax.random.PRNGKey(0)
-  params = init_mlp(key, SIZES)
-  batches = make_batches(jax.random.PRNGKey(1), 4, args.batch_size)
-  collection = kfac_jax_lite.scan(loss_fn, params, batches[0])
-  jax.jit(lambda x: x + 1)(jnp.ones(())).block_until_ready()  # Warm JAX up.
-
+def make_runners(problem: Problem, collection, periods, damping: float,
+                 with_optimizer: bool) -> list:
   runners = []
   tx = optax.adam(1e-3)
-  runners.append(Runner("optax.adam", adam_step(tx), tx, params, batches))
-  for period in [int(s) for s in args.periods.split(",")]:
-    tx = kfac_jax_lite.kfac(1e-2, collection, damping=args.damping,
+  runners.append(Runner("optax.adam",
+                        lambda tx=tx: adam_step(problem.loss_fn, tx), tx,
+                        problem.params, problem.batches))
+  for period in periods:
+    tx = kfac_jax_lite.kfac(1e-2, collection, damping=damping,
                             inverse_update_period=period)
-    runners.append(Runner(f"kfac, inverse every {period}",
-                          kfac_step(tx, collection), tx, params, batches))
+    runners.append(Runner(
+        f"kfac, inverse every {period}",
+        lambda tx=tx: kfac_step(problem.loss_fn, tx, collection), tx,
+        problem.params, problem.batches))
+  if with_optimizer:
+    for period in periods:
+      tx = kfac_jax_lite.kfac_optimizer(collection,
+                                        inverse_update_period=period)
+      runners.append(Runner(
+          f"kfac_optimizer, inverse every {period}",
+          lambda tx=tx: kfac_step(problem.loss_fn, tx, collection,
+                                  pass_batch=True), tx,
+          problem.params, problem.batches))
+  return runners
+
+
+def bench(problem: Problem, args, with_optimizer: bool) -> list:
+  """Times one model's optimizers; prints the table and breakdown."""
+  load_before = os.getloadavg()[0]
+  collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
+                                  problem.batches[0])
+  periods = [int(s) for s in args.periods.split(",")]
+  runners = make_runners(problem, collection, periods, args.damping,
+                         with_optimizer)
   for r in runners:  # First call: trace + compile + run.
     r.run(1 + args.warmup, record=False)
   for _ in range(args.rounds):
@@ -209,34 +311,91 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
   adam = runners[0]
   base_med = statistics.median(adam.times)
   base_mean = statistics.mean(adam.times)
-  print(f"MLP {'-'.join(map(str, SIZES))} tanh, batch {args.batch_size}; "
-        f"jax {jax.__version__}, {jax.devices()[0].platform}, "
-        f"{platform.machine()}, {os.cpu_count()} CPUs; {len(adam.times)} "
-        f"timed steps each, interleaved; OPENBLAS_NUM_THREADS="
-        f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}\n"
-        f"1-min load average {load_before:.1f} before, "
-        f"{os.getloadavg()[0]:.1f} after (above the CPU count: other "
-        "processes competed; expect noise)\n")
-  header = (f"{'optimizer':<24} {'first call':>10} {'median':>9} "
-            f"{'mean':>9} {'median/adam':>11} {'mean/adam':>9}")
+  print(f"\n## {problem.name}\n\njax {jax.__version__}, "
+        f"{jax.devices()[0].platform}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs; {len(adam.times)} timed steps each, "
+        f"interleaved; OPENBLAS_NUM_THREADS="
+        f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; 1-min load "
+        f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+        "(above the CPU count: other processes competed; expect noise)\n")
+  header = (f"| {'optimizer':<34} | first call | first call CPU | "
+            f"{'median':>9} | {'mean':>9} | median/adam | mean/adam | "
+            "first/adam |")
   print(header)
-  print("-" * len(header))
+  print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1])
+        + "|")
   rows = []
   for r in runners:
     med, mean = statistics.median(r.times), statistics.mean(r.times)
-    rows.append({"name": r.name, "first_call_s": r.first_call_s,
-                 "median_ms": 1e3 * med, "mean_ms": 1e3 * mean,
-                 "median_ratio": med / base_med,
-                 "mean_ratio": mean / base_mean})
-    print(f"{r.name:<24} {r.first_call_s:9.2f}s {1e3 * med:7.2f}ms "
-          f"{1e3 * mean:7.2f}ms {med / base_med:10.2f}x "
-          f"{mean / base_mean:8.2f}x")
+    rows.append({"model": problem.name, "name": r.name,
+                 "first_call_s": r.first_call_s,
+                 "first_call_cpu_s": r.first_call_cpu_s,
+                 "median_ms": 1e3 * med,
+                 "mean_ms": 1e3 * mean, "median_ratio": med / base_med,
+                 "mean_ratio": mean / base_mean,
+                 "first_ratio": r.first_call_s / adam.first_call_s})
+    print(f"| {r.name:<34} | {r.first_call_s:9.2f}s | "
+          f"{r.first_call_cpu_s:13.2f}s | {1e3 * med:7.2f}ms | "
+          f"{1e3 * mean:7.2f}ms | {med / base_med:10.2f}x | "
+          f"{mean / base_mean:8.2f}x | {rows[-1]['first_ratio']:9.2f}x |")
+  if args.no_breakdown:
+    return rows
+  print("\nK-FAC step breakdown (each piece jitted alone; GFLOP from XLA's "
+        "cost_analysis, which does not count LAPACK calls):\n")
+  print(f"| {'part':<46} | {'median':>9} | {'GFLOP':>7} | XLA compile |")
+  print(f"|{'-' * 48}|{'-' * 11}|{'-' * 9}|{'-' * 13}|")
+  for name, ms, gflop, comp in breakdown(problem, collection, args.damping,
+                                         with_optimizer):
+    print(f"| {name:<46} | {ms:7.2f}ms | {gflop:7.3f} | {comp:10.2f}s |")
+  print("\nFirst call split (a fresh jit of the same step, cold):\n")
+  print(f"| {'optimizer':<34} | trace + lower | XLA compile |")
+  print(f"|{'-' * 36}|{'-' * 15}|{'-' * 13}|")
+  period = 5 if 5 in periods else periods[0]
+  chosen = [runners[0]] + [r for r in runners
+                           if r.name.endswith(f" every {period}")]
+  for r in chosen:
+    lower_s, compile_s = compile_split(r, problem.batches[0])
+    print(f"| {r.name:<34} | {lower_s:12.2f}s | {compile_s:10.2f}s |")
+  return rows
 
-  print("\nK-FAC step breakdown (each piece jitted alone):\n")
-  print(f"{'part':<42} {'median':>9} {'GFLOP':>7}")
-  for name, ms, gflop in breakdown(collection, params, batches[0],
-                                   args.damping):
-    print(f"{name:<42} {ms:7.2f}ms {gflop:7.3f}")
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--models", default="mlp,autoencoder",
+                 help="comma-separated: mlp, autoencoder")
+  p.add_argument("--batch-size", type=int, default=256, help="MLP batch")
+  p.add_argument("--ae-batch-size", type=int, default=500,
+                 help="autoencoder batch")
+  p.add_argument("--periods", default="1,5,20",
+                 help="K-FAC inverse_update_period values, comma-separated")
+  p.add_argument("--warmup", type=int, default=3,
+                 help="untimed steps per optimizer after the first call")
+  p.add_argument("--rounds", type=int, default=6)
+  p.add_argument("--steps-per-round", type=int, default=10,
+                 help="timed steps per optimizer per round (>= 30 in all)")
+  p.add_argument("--damping", type=float, default=1e-2,
+                 help="kfac's damping (kfac_optimizer adapts its own)")
+  p.add_argument("--no-breakdown", action="store_true",
+                 help="skip the per-part breakdown and compile split")
+  args = p.parse_args(argv)
+  if args.rounds * args.steps_per_round < 30:
+    p.error("time at least 30 steps: rounds * steps-per-round >= 30")
+  unknown = set(args.models.split(",")) - {"mlp", "autoencoder"}
+  if unknown:
+    p.error(f"unknown --models {sorted(unknown)}; use mlp, autoencoder")
+  return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list:
+  """Prints one timing table (and breakdown) per model; returns the rows."""
+  args = parse_args(argv)
+  jax.jit(lambda x: x + 1)(jnp.ones(())).block_until_ready()  # Warm JAX up.
+  rows = []
+  for model in args.models.split(","):
+    if model == "mlp":
+      rows += bench(mlp_problem(args.batch_size), args, False)
+    else:
+      rows += bench(autoencoder_problem(args.ae_batch_size), args, True)
   return rows
 
 

@@ -35,3 +35,74 @@ def test_mnist_mlp_runs_and_returns_finite_losses(capsys):
   out = capsys.readouterr().out
   assert "final: K-FAC loss" in out
   assert "[kfac] epoch 1 step" in out
+
+
+def _finite(xs):
+  return all(math.isfinite(x) for x in xs)
+
+
+def test_mnist_autoencoder_runs_and_writes_plot(tmp_path, capsys):
+  pytest.importorskip("matplotlib")
+  ae = _load_example("mnist_autoencoder")
+  png = tmp_path / "ae.png"
+  results = ae.main(["--steps", "4", "--scale", "0.05", "--batch-size",
+                     "16", "--log-every", "2", "--window", "2", "--plot",
+                     str(png)])
+  k, a = results["kfac"], results["adam"]
+  assert k["steps"] == 4
+  for name, run in (("kfac", k), ("adam", a)):
+    assert len(run["times"]) == run["steps"] >= 1, name
+    assert _finite(run["losses"]) and math.isfinite(run["squared_error"])
+  # Adam ran until it had used K-FAC's seconds (or hit its step cap).
+  assert a["seconds"] >= k["seconds"] or a["steps"] == 400
+  assert [r[0] for r in results["by_step"]][-1] == 4
+  assert png.stat().st_size > 0
+  out = capsys.readouterr().out
+  assert "[kfac] step     2" in out and "kfac_optimizer final damping" in out
+
+
+def test_paper_batch_schedule():
+  ae = _load_example("mnist_autoencoder")
+  sizes = [ae.paper_batch_size(k, 60000) for k in range(600)]
+  assert sizes[0] == 1000 and sizes[499] == 32000 and sizes[500] == 60000
+  assert sizes == sorted(sizes) and len(set(sizes)) == 7
+
+
+def test_flax_cnn_classifier_runs(capsys):
+  pytest.importorskip("flax")
+  cnn = _load_example("flax_cnn_classifier")
+  results = cnn.main(["--steps", "3", "--batch-size", "16", "--channels",
+                      "4", "--hidden", "16", "--eval-examples", "64",
+                      "--log-every", "1"])
+  for name in ("kfac", "adam"):
+    assert len(results[name]["losses"]) == 3, name
+    assert _finite(results[name]["losses"]), name
+    assert 0.0 <= results[name]["test_accuracy"] <= 1.0
+  # Untagged: automatic registration found every layer, none generic.
+  assert [kind for _, kind, _ in results["layers"]] == [
+      "conv", "conv", "fully_connected", "fully_connected"]
+  assert "found by" in capsys.readouterr().out  # describe() was printed.
+
+
+def test_nnx_mlp_runs():
+  pytest.importorskip("flax")
+  nnx_mlp = _load_example("nnx_mlp")
+  results = nnx_mlp.main(["--steps", "3", "--batch-size", "16", "--hidden",
+                          "16", "--depth", "1", "--log-every", "0"])
+  for name in ("kfac", "adam"):
+    assert len(results[name]["losses"]) == 3, name
+    assert _finite(results[name]["losses"]), name
+
+
+@pytest.mark.parametrize("approx", ["kron_indep", "kron_series_2"])
+def test_rnn_sequential_mnist_runs(approx):
+  rnn = _load_example("rnn_sequential_mnist")
+  results = rnn.main(["--steps", "3", "--batch-size", "16", "--hidden",
+                      "8", "--eval-examples", "64", "--log-every", "0",
+                      "--approx", approx])
+  # The input and recurrent layers are used once per row (28 times).
+  assert results["layers"][:2] == [("['w_in'] + ['b_in']", approx, 28),
+                                   ("['w_rec']", approx, 28)]
+  for name in ("kfac", "adam"):
+    assert len(results[name]["losses"]) == 3, name
+    assert _finite(results[name]["losses"]), name
