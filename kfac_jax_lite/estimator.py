@@ -30,9 +30,11 @@ import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from kfac_jax_lite import blocks as blocks_lib
+from kfac_jax_lite import distributed
 from kfac_jax_lite import linalg
 from kfac_jax_lite import scanner
 from kfac_jax_lite.collection import LayerCollection
@@ -166,27 +168,36 @@ class Linearized:
   """
 
   def __init__(self, collection: LayerCollection, params, batch):
+    # Under shard_map, linearise per replica (see distributed.vary).
+    self._axes = distributed.varying_axes(batch)
+    params = distributed.vary(params, self._axes)
     traced = scanner.perturbed_fn(collection, params, batch)
+    eps = distributed.vary(traced.eps, self._axes)
     (loss, zs), jvp, (aux, records, targets) = jax.linearize(
-        traced.fn, params, traced.eps, has_aux=True)
+        traced.fn, params, eps, has_aux=True)
     self.collection = collection
     self.params = params
     self.sites = traced.sites
-    self.eps = traced.eps
+    self.eps = eps
     self.loss, self.zs, self.aux = loss, zs, aux
     self.records, self.targets = records, targets
     self.jvp = jvp
-    self.vjp = jax.linear_transpose(jvp, params, traced.eps)
+    self.vjp = jax.linear_transpose(jvp, params, eps)
 
   def gradient(self):
-    """``∂ loss / ∂ params`` (the true gradient)."""
+    """``∂ loss / ∂ params``: this replica's own under ``shard_map``/``pmap``.
+
+    Unlike ``jax.grad`` under ``shard_map``, which sums the gradient of
+    replicated parameters over the axis, this is never reduced: average it
+    with ``lax.pmean`` as under ``pmap``.
+    """
     return self.vjp((jnp.ones_like(self.loss),
                      tuple(jnp.zeros_like(z) for z in self.zs)))[0]
 
   def output_jvp(self, tangent):
     """``J u``: the loss tags' input tangents for a params-shaped ``u``."""
     eps_t = jax.tree.map(jnp.zeros_like, self.eps)
-    return self.jvp(tangent, eps_t)[1]
+    return self.jvp(distributed.vary(tangent, self._axes), eps_t)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +208,7 @@ class _Pass:
 
 
 def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
-                     need_all_param_grads) -> _Pass:
+                     need_all_param_grads, axis_name=None) -> _Pass:
   collection = lin.collection
   cts = _loss_cotangents(mode, collection.losses, lin.zs, lin.targets, key,
                          num_samples)
@@ -214,6 +225,12 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
 
   p_bars, eps_bars = jax.vmap(pull)(cts)
   batch_size = lin.zs[0].shape[0]
+  block_p_bars, block_batch = p_bars, batch_size
+  if axis_name is not None and generic:
+    # Square-of-sum statistics are no means over examples: sum the
+    # per-source gradients over the global batch before the blocks square.
+    block_p_bars = {i: lax.psum(p_bars[i], axis_name) for i in generic}
+    block_batch = batch_size * distributed.axis_size(axis_name)
   leaves = jax.tree.leaves(lin.params)
   sites_of = {}
   for s in lin.sites:
@@ -226,10 +243,10 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
                      for s in sites),
         grads=tuple(_site_grads(eps_bars[s.key], s) for s in sites),
         params=tuple(leaves[i] for i in layer.param_indices),
-        param_grads=tuple(_param_grads(p_bars[i], layer)
+        param_grads=tuple(_param_grads(block_p_bars[i], layer)
                           for i in layer.param_indices)
         if block.needs_param_grads else (),
-        batch_size=batch_size))
+        batch_size=block_batch if block.needs_param_grads else batch_size))
   return _Pass(layer_data=tuple(data),
                param_grads_all=p_bars if need_all_param_grads else None)
 
@@ -247,6 +264,14 @@ def _group_key(block, state):
           shapes, block.layer.param_shapes)
 
 
+def _groups(blocks, states) -> list:
+  """Indices of blocks that differ only in their layer, grouped."""
+  groups = {}
+  for i, (b, s) in enumerate(zip(blocks, states)):
+    groups.setdefault(_group_key(b, s), []).append(i)
+  return list(groups.values())
+
+
 def _grouped(blocks, states, fn, extra=None):
   """Applies ``fn(block, state, extra_i)`` per layer, vmapped per group.
 
@@ -256,11 +281,8 @@ def _grouped(blocks, states, fn, extra=None):
   layer.
   """
   extra = extra if extra is not None else [None] * len(blocks)
-  groups = {}
-  for i, (b, s) in enumerate(zip(blocks, states)):
-    groups.setdefault(_group_key(b, s), []).append(i)
   out = [None] * len(blocks)
-  for idx in groups.values():
+  for idx in _groups(blocks, states):
     b = blocks[idx[0]]
     if len(idx) == 1:
       out[idx[0]] = fn(b, states[idx[0]], extra[idx[0]])
@@ -295,7 +317,25 @@ class FisherEstimator:
     num_samples: target draws per example (``gradients``,
       ``curvature_prop``).
     damping_type: ``"pi"`` or ``"exact"``.
-    axis_name: average statistics over this ``pmap``/``shard_map`` axis.
+    axis_name: the ``pmap``/``shard_map`` axis of data parallelism (a name,
+      or a tuple of mesh axis names). The statistics then describe the
+      global batch (see :mod:`kfac_jax_lite.distributed`): each replica's
+      sampling key is folded with its axis index, generic blocks' gradients
+      are summed over the axis, and the factors are averaged as
+      ``stats_sync`` says. None: no collectives (also right under plain
+      ``jax.jit`` over batch-sharded inputs).
+    stats_sync: ``"every_update"`` (default) averages the statistics at
+      every update, so every replica always holds the global factors and
+      the state is identical on all replicas; ``"before_refresh"`` keeps
+      per-replica EMAs and averages the factors only in
+      :meth:`update_cache`, writing the average back: exact for the cached
+      inverses (the EMA is linear), one all-reduce per refresh instead of
+      per update, but between refreshes the replicas' factors (and so
+      ``multiply``, ``full_fisher``) are local, and the state must be kept
+      per replica (``pmap``, or ``shard_map`` with a sharded state).
+    distributed_inverses: split :meth:`update_cache` across the devices of
+      ``axis_name``: each computes the inverses of its share of the blocks
+      and one ``psum`` shares them (:func:`distributed.update_cache`).
 
   Example:
     >>> est = FisherEstimator(collection, damping=1e-3)
@@ -314,7 +354,9 @@ class FisherEstimator:
   compute_params_stats: bool = False
   num_samples: int = 1
   damping_type: str = "pi"
-  axis_name: Optional[str] = None
+  axis_name: Any = None
+  stats_sync: str = "every_update"
+  distributed_inverses: bool = False
 
   def __post_init__(self):
     if not isinstance(self.collection, LayerCollection):
@@ -332,6 +374,15 @@ class FisherEstimator:
     if not isinstance(self.num_samples, int) or self.num_samples < 1:
       raise ValueError(
           f"num_samples={self.num_samples!r} must be a positive int.")
+    if self.stats_sync not in distributed.STATS_SYNCS:
+      raise ValueError(
+          f"stats_sync={self.stats_sync!r}; choose one of "
+          f"{list(distributed.STATS_SYNCS)}.")
+    if self.distributed_inverses and self.axis_name is None:
+      raise ValueError(
+          "distributed_inverses=True needs axis_name=... (the pmap/shard_map "
+          "axis whose devices share the inverses); without an axis every "
+          "device computes all of them.")
     exps = tuple(self.exps) if isinstance(self.exps, (list, tuple)) else (
         self.exps,)
     object.__setattr__(self, "exps", exps)
@@ -363,10 +414,23 @@ class FisherEstimator:
     return Linearized(self.collection, params, batch)
 
   def stats_from(self, lin: Linearized, rng):
-    """Minibatch statistics from a linearisation (a backward pass each)."""
+    """Minibatch statistics from a linearisation (a backward pass each).
+
+    With ``axis_name``, ``rng`` is folded with the replica's axis index
+    (pass the same key on every replica).
+    """
+    if self.axis_name is not None:
+      rng = distributed.replica_key(rng, self.axis_name)
     p = _statistics_pass(lin, self.blocks, rng, self.estimation_mode,
-                         self.num_samples, self.compute_params_stats)
+                         self.num_samples, self.compute_params_stats,
+                         self.axis_name)
     return self._stats_from_pass(p, lin.params)
+
+  def _stats_tag(self) -> dict:
+    """Marks statistics with how they were reduced (static: dict keys)."""
+    if self.axis_name is None:
+      return {}
+    return {f"{self.axis_name!r}, {self.stats_sync}": ()}
 
   def _stats_from_pass(self, p: _Pass, params):
     block_stats = tuple(b.compute_stats(d)
@@ -377,10 +441,29 @@ class FisherEstimator:
       leaves = [jnp.sum(g, axis=0).astype(linalg.factor_dtype()) / batch_size
                 for g in p.param_grads_all]
       params_stats = jax.tree.unflatten(jax.tree.structure(params), leaves)
-    stats = {"blocks": block_stats, "params": params_stats}
     if self.axis_name is not None:
-      stats = jax.lax.pmean(stats, self.axis_name)
-    return stats
+      # Generic blocks were reduced in the pass (psum of their gradients);
+      # the others are means over examples: average them unless deferred.
+      defer = self.stats_sync == "before_refresh"
+      avg = [None if (b.needs_param_grads or defer) else s
+             for b, s in zip(self.blocks, block_stats)]
+      avg, params_stats = lax.pmean((avg, params_stats), self.axis_name)
+      block_stats = tuple(s if a is None else a
+                          for s, a in zip(block_stats, avg))
+    return {"blocks": block_stats, "params": params_stats,
+            "averaged_over": self._stats_tag()}
+
+  def _check_stats_tag(self, stats):
+    if not isinstance(stats, dict) or "averaged_over" not in stats:
+      return
+    got, want = tuple(stats["averaged_over"]), tuple(self._stats_tag())
+    if got != want:
+      describe = lambda t: t[0] if t else "no axis"  # noqa: E731
+      raise ValueError(
+          f"stats=... were reduced for ({describe(got)}) but this estimator "
+          f"has axis_name={self.axis_name!r}, stats_sync={self.stats_sync!r} "
+          f"({describe(want)}). Build value_grad_and_stats with the same "
+          "axis_name and stats_sync, or pass it estimator=... .")
 
   def compute_stats(self, params, batch, rng):
     """Minibatch statistics of every block (one forward pass, no gradient)."""
@@ -402,6 +485,7 @@ class FisherEstimator:
       if rng is None:
         rng = jax.random.PRNGKey(0)
       stats = self.compute_stats(params, batch, rng)
+    self._check_stats_tag(stats)
     decay = self.cov_ema_decay if ema_decay is None else ema_decay
     new_blocks = tuple(b.update_curvature(s, st, decay) for b, s, st in zip(
         self.blocks, state.blocks, stats["blocks"]))
@@ -414,8 +498,38 @@ class FisherEstimator:
     return EstimatorState(blocks=new_blocks, params_stats=ps,
                           params_weight=pw)
 
+  def sync_factors(self, state: EstimatorState, layers=None):
+    """Averages the factors over ``axis_name`` (no-op without an axis).
+
+    .. math:: \\bar F \\leftarrow \\frac{1}{R} \\sum_{r=1}^{R} \\bar F^{(r)}
+
+    The average of the replicas' EMAs is the EMA of the averaged
+    statistics (the EMA is linear and its weight is the same everywhere),
+    so after this every replica holds the factors of the global batch.
+    :meth:`update_cache` calls it with ``stats_sync="before_refresh"``.
+
+    Args:
+      state: the estimator state.
+      layers: optional indices of the layers to average (default: all).
+    """
+    if self.axis_name is None:
+      return state
+    idx = range(len(self.blocks)) if layers is None else tuple(layers)
+    new = distributed.average_factors([self.blocks[i] for i in idx],
+                                      [state.blocks[i] for i in idx],
+                                      self.axis_name)
+    blocks = list(state.blocks)
+    for i, s in zip(idx, new):
+      blocks[i] = s
+    return state._replace(blocks=tuple(blocks))
+
   def update_cache(self, state: EstimatorState, damping=None, layers=None):
     """Refreshes inverses / powers / Cholesky factors at ``damping``.
+
+    With ``stats_sync="before_refresh"`` the refreshed layers' factors are
+    first averaged over ``axis_name`` (:meth:`sync_factors`); with
+    ``distributed_inverses`` each device of the axis computes a share of
+    the blocks (:func:`kfac_jax_lite.distributed.update_cache`).
 
     Args:
       state: the estimator state.
@@ -426,9 +540,16 @@ class FisherEstimator:
     damping = self.damping if damping is None else damping
     damping = jnp.asarray(damping, linalg.factor_dtype())
     idx = range(len(self.blocks)) if layers is None else tuple(layers)
-    new = _grouped([self.blocks[i] for i in idx],
-                   [state.blocks[i] for i in idx],
-                   lambda b, s, _: b.update_cache(s, damping))
+    if self.stats_sync == "before_refresh":
+      state = self.sync_factors(state, idx)
+    blocks = [self.blocks[i] for i in idx]
+    states = [state.blocks[i] for i in idx]
+    if self.distributed_inverses:
+      new = distributed.update_cache(blocks, states, damping, self.axis_name,
+                                     _groups(blocks, states))
+    else:
+      new = _grouped(blocks, states,
+                     lambda b, s, _: b.update_cache(s, damping))
     blocks = list(state.blocks)
     for i, s in zip(idx, new):
       blocks[i] = s
@@ -511,6 +632,8 @@ def _leaf_shapes(collection):
 def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
                          estimation_mode: str = "gradients",
                          has_aux: bool = False, num_samples: int = 1,
+                         axis_name: Any = None,
+                         stats_sync: str = "every_update",
                          estimator: Optional[FisherEstimator] = None):
   """Loss, gradient and curvature statistics from one forward pass.
 
@@ -519,12 +642,19 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
   ``FisherEstimator.update_curvature(stats=...)`` or to the optax
   transforms' ``update(..., stats=...)``.
 
+  Under ``pmap``/``shard_map`` the loss and gradient are this replica's
+  (average the gradient yourself, ``lax.pmean(grads, axis_name)``); the
+  statistics are reduced over ``axis_name`` as the consumer expects, so
+  give the same ``axis_name`` and ``stats_sync`` as the transform (a
+  mismatch raises ``ValueError`` in ``update``).
+
   Args:
     loss_fn: the scanned loss function (must be ``collection.loss_fn``).
     collection: its LayerCollection.
     estimation_mode: as :class:`FisherEstimator`; must match the consumer.
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
     num_samples: target draws per example.
+    axis_name, stats_sync: as :class:`FisherEstimator`.
     estimator: use this estimator's blocks and options instead.
   """
   if loss_fn is not collection.loss_fn:
@@ -536,7 +666,8 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
         f"has_aux={has_aux} but the collection was scanned with "
         f"has_aux={collection.has_aux}.")
   est = estimator or FisherEstimator(
-      collection, estimation_mode=estimation_mode, num_samples=num_samples)
+      collection, estimation_mode=estimation_mode, num_samples=num_samples,
+      axis_name=axis_name, stats_sync=stats_sync)
 
   def fn(params, batch, rng):
     lin = est.linearize(params, batch)

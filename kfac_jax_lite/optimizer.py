@@ -174,6 +174,12 @@ def kfac_optimizer(collection: LayerCollection, *,
   Steps with non-finite gradients or statistics leave the parameters and
   the whole state untouched and are counted in ``state.num_skipped``.
 
+  Data parallel (``axis_name=`` under ``pmap``/``shard_map``): the
+  statistics, the loss ``h`` and the Fisher Gram ``M`` are averaged over the
+  axis, so ``α``, ``μ``, ``ρ`` and ``λ`` are the same on every replica;
+  average the gradients yourself (``lax.pmean(grads, axis_name)``) before
+  ``update``.
+
   Example:
     >>> tx = kfac_optimizer(collection, initial_damping=1.0)
     >>> updates, state = tx.update(grads, state, params, batch=batch)

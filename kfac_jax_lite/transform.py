@@ -142,9 +142,8 @@ class Curvature:
         stats = lambda key: self.estimator.stats_from(linearized, key)  # noqa: E731
       batch = None
     check_batch_and_stats(batch, stats)
+    # The estimator folds the key with the axis index (per-replica draws).
     key, next_rng = jax.random.split(state.rng)
-    if self.axis_name is not None:
-      key = jax.random.fold_in(key, lax.axis_index(self.axis_name))
     count = state.count
     do_cov = (count % self.cov_update_period) == 0
     def cov_update(s):
@@ -227,12 +226,19 @@ def scale_by_kfac(collection: LayerCollection, *,
     norm_constraint: ``C`` of KL clipping, or None.
     learning_rate: the learning rate the direction will be scaled by, used
       only by KL clipping (``kfac`` passes its own).
-    axis_name: ``pmap``/``shard_map`` axis to average statistics over.
+    axis_name: ``pmap``/``shard_map`` axis of data parallelism: the
+      statistics describe the global batch and every replica keeps the same
+      state. Average the gradients yourself first (``lax.pmean(grads,
+      axis_name)``): ``update`` preconditions the gradient it is given.
+      With ``stats_sync`` and ``distributed_inverses`` (estimator options,
+      below) the statistics are averaged only before each refresh and the
+      inverses split across the axis' devices.
     seed: seed of the sampling key kept in the state.
     stagger_inverse_updates: refresh a slice of the blocks every step
       instead of all blocks every ``inverse_update_period`` steps.
     **estimator_kwargs: more :class:`FisherEstimator` options
-      (``num_samples``, ``damping_type``, ``exps``, ...).
+      (``num_samples``, ``damping_type``, ``exps``, ``stats_sync``,
+      ``distributed_inverses``, ...).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes

@@ -349,6 +349,7 @@ def test_linen_cnn():
   assert shapes == [("conv", [(B, 8, 8, 3)], (B, 4, 4, 4)),
                     ("conv", [(B, 4, 4, 4)], (B, 2, 2, 5)),
                     ("fully_connected", [(B, 20)], (B, 3))]
+  _update(loss_fn, params, batch, c)
 
 
 def test_conv_meta_equals_register_conv():
@@ -375,6 +376,11 @@ def test_conv_meta_equals_register_conv():
   assert auto.layers[0].kind == manual.layers[0].kind == "conv"
   assert auto.layers[0].found_by == "auto"
   assert auto.layers[0].meta == manual.layers[0].meta
+  # ... and the same statistics.
+  _, s_auto = _empirical_state(auto, params, batch)
+  _, s_manual = _empirical_state(manual, params, batch)
+  for a, m in zip(jax.tree.leaves(s_auto), jax.tree.leaves(s_manual)):
+    np.testing.assert_allclose(a, m, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("groups", [1, 4, 2])
@@ -391,9 +397,12 @@ def test_conv1d_depthwise_and_grouped(groups):
   dense = ("fully_connected", 1, "kron", "auto")
   if groups == 1:
     assert _summary(c) == [("conv", 1, "kron", "auto"), dense]
-  elif groups == 4:  # feature_group_count == C_in: depthwise.
-    assert _summary(c) == [("depthwise_conv", 1, "diagonal", "auto"), dense]
-    assert c.layers[0].param_shapes == ((3, 1, 8), (8,))
+  elif groups == 4:  # feature_group_count == C_in: depthwise, fallback.
+    assert _summary(c) == [dense] + [("generic", 1, "diagonal",
+                                      "leftover")] * 2
+    assert "depthwise convolution (feature_group_count=4)" in c.describe()
+    _update(loss_fn, params, batch, c)
+    return
   else:
     assert _summary(c) == [dense] + [("generic", 1, "diagonal",
                                       "leftover")] * 2
@@ -409,6 +418,7 @@ def test_conv1d_depthwise_and_grouped(groups):
   (site, rec), _ = _records(c, params, batch).values()
   assert [r.shape for r in rec] == [(B, 7, 4)]
   assert site.y_aval.shape == (B, 7, 8)
+  _update(loss_fn, params, batch, c)
 
 
 # ---------------------------------------------------------------------------
@@ -461,6 +471,7 @@ def test_norms_scale_and_shift():
     x_hat = (y - p.get("bias", 0.0)) / p["scale"]
     assert rec[0].shape == site.y_aval.shape == (B, 5)
     np.testing.assert_allclose(rec[0], x_hat, rtol=1e-4, atol=1e-5)
+  _update(loss_fn, params, batch, c)
 
 
 class _BNNet(nn.Module):
@@ -505,6 +516,7 @@ def test_batchnorm_whole_variables_params_filter(train):
     assert "not trainable (params_filter), no block: 2 leaves" in (
         c.describe())
     c.check_registration(variables)
+  _update(loss_fn, variables, batch, c, has_aux=train)
 
 
 def test_params_filter_leaves_non_trainable_vectors_unchanged():
@@ -609,6 +621,7 @@ def test_plain_jax_embeddings(lookup):
                          ("fully_connected", 1, "kron", "auto")]
   (_, rec), _ = _records(c, params, batch).values()
   np.testing.assert_array_equal(rec[0], ids)
+  _update(loss_fn, params, batch, c)
 
 
 # ---------------------------------------------------------------------------

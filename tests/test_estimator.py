@@ -173,8 +173,8 @@ def test_empirical_params_stats_is_mean_gradient_and_weight_is_linear():
         e1.update_curvature(e1.init(params), params, batch, key),
         e3.update_curvature(e3.init(params), params, batch, key)))(key)
     for b1, b3 in zip(s1.blocks, s3.blocks):
-      np.testing.assert_allclose(b3.g, 3.0 * b1.g, rtol=1e-10)
-      np.testing.assert_allclose(b3.a, b1.a, rtol=1e-12)
+      helpers.assert_trees_close(b3.g, 3.0 * b1.g, rtol=1e-10)
+      helpers.assert_trees_close(b3.a, b1.a, rtol=1e-12)
 
 
 def test_two_loss_tags_sum_their_fishers():

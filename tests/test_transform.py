@@ -176,3 +176,68 @@ def test_state_buffers_can_be_donated(problem, make):
   for batch in batches[:2]:
     _, state = step(params, state, batch)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+
+
+def test_staggered_inverse_updates_refresh_one_slice_per_step(problem):
+  params, batches, c = problem
+  assert len(c.layers) == 2
+  tx = kl.scale_by_kfac(c, inverse_update_period=2,
+                        stagger_inverse_updates=True)
+  state = tx.init(params)
+  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+  step = jax.jit(lambda s, b: tx.update(grads, s, params, batch=b))
+  refreshed = []
+  for b in batches[:5]:
+    before = [blk.cache["a^-1"] for blk in state.estimator.blocks]
+    _, state = step(state, b)
+    after = [blk.cache["a^-1"] for blk in state.estimator.blocks]
+    refreshed.append([not np.array_equal(x, y)
+                      for x, y in zip(before, after)])
+  # Step 0 refreshes every block; then layer (count % 2) each step.
+  assert refreshed == [[True, True], [False, True], [True, False],
+                       [False, True], [True, False]]
+
+
+def test_norm_constraint_clips_to_the_kl_bound(problem):
+  params, batches, c = problem
+  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+  lr = 0.5
+
+  def direction(**kw):
+    tx = kl.scale_by_kfac(c, damping=1e-2, estimation_mode="empirical", **kw)
+    return jax.jit(lambda s: tx.update(grads, s, params, batch=batches[0]))(
+        tx.init(params))[0]
+
+  d0 = direction()
+  sq = float(optax.tree.vdot(d0, grads))          # gᵀF̂⁻¹g
+  for bound in (1e-3 * lr ** 2 * sq, 1e3 * lr ** 2 * sq):
+    d1 = direction(norm_constraint=bound, learning_rate=lr)
+    nu = float(optax.tree.norm(d1) / optax.tree.norm(d0))
+    helpers.assert_trees_close(d1, jax.tree.map(lambda x: nu * x, d0), 1e-5)
+    if bound < lr ** 2 * sq:
+      np.testing.assert_allclose(lr ** 2 * nu ** 2 * sq, bound, rtol=1e-4)
+    else:
+      assert nu == pytest.approx(1.0)
+
+
+def test_damping_schedule_and_weight_decay(problem):
+  params, batches, c = problem
+  schedule = lambda count: 1e-2 * (count + 1.0)  # noqa: E731
+  tx = kl.scale_by_kfac(c, damping=schedule, inverse_update_period=1)
+  state = tx.init(params)
+  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+  step = jax.jit(lambda s: tx.update(grads, s, params, batch=batches[0]))
+  for count in range(3):
+    _, state = step(state)
+    np.testing.assert_allclose(state.estimator.blocks[0].damping,
+                               schedule(count), rtol=1e-6)
+
+  wd, lr = 0.1, 0.3
+  plain = kl.kfac(lr, c, momentum=0.0, estimation_mode="empirical")
+  decayed = kl.kfac(lr, c, momentum=0.0, weight_decay=wd,
+                    estimation_mode="empirical")
+  u0, _ = plain.update(grads, plain.init(params), params, batch=batches[0])
+  u1, _ = decayed.update(grads, decayed.init(params), params,
+                         batch=batches[0])
+  helpers.assert_trees_close(
+      u1, jax.tree.map(lambda a, p: a - lr * wd * p, u0, params), 1e-5)

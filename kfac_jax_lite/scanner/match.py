@@ -159,7 +159,12 @@ class Matcher:
     if groups == 1:
       kind = "conv"
     elif groups == c_in:
-      kind = "depthwise_conv"
+      # Recognised, but the depthwise block takes register_depthwise_conv2d's
+      # [h, w, C, M] kernel; lax/flax kernels are [*spatial, 1, C*M].
+      return self._reject(
+          f"depthwise convolution (feature_group_count={groups}) in the "
+          "lax/flax kernel layout has no automatic block yet; tag it with "
+          "register_depthwise_conv2d on the kernel reshaped to [h, w, C, M]")
     else:
       return self._reject(
           f"grouped convolution (feature_group_count={groups}, {c_in} input "

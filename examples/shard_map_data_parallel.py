@@ -1,0 +1,254 @@
+"""Data-parallel K-FAC with ``jax.shard_map`` on MNIST.
+
+Every device of a 1-D mesh (axis ``"data"``) gets ``batch_size / devices``
+examples of each global batch; parameters and the optimizer state are
+replicated. Inside the mapped step:
+
+* :func:`kfac_jax_lite.value_grad_and_stats` with ``axis_name="data"``
+  returns this replica's loss and gradient (never reduced) and statistics
+  already averaged over the axis (the factors of the *global* batch; each
+  replica samples its own targets);
+* the step averages the loss and gradient itself with ``lax.pmean``;
+* ``kfac(..., axis_name="data")`` preconditions the averaged gradient; its
+  state stays identical on every replica (``out_specs=P()`` would be
+  rejected by ``shard_map``'s replication check otherwise).
+
+``--distributed-inverses`` splits the inverse refresh across the devices;
+``--stats-sync before_refresh`` averages the factors only before each
+refresh (the state then differs per replica between refreshes, so this
+example keeps it sharded with a leading device axis in that mode).
+
+Note: under ``shard_map``, ``jax.grad`` of the per-replica loss with respect
+to *replicated* parameters is already summed over the axis; divide it by the
+axis size instead of ``pmean``-ing it. ``value_grad_and_stats`` never sums.
+
+Run::
+
+  python examples/shard_map_data_parallel.py                 # 4 CPU devices
+  python examples/shard_map_data_parallel.py --devices 2 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+
+def _force_host_devices(argv: Sequence[str]):
+  """Simulated CPU devices must be requested before jax is imported."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--devices", type=int, default=4)
+    n = pre.parse_known_args(argv)[0].devices
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={n}").strip()
+  os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+if __name__ == "__main__":
+  _force_host_devices(sys.argv[1:])
+
+import jax  # noqa: E402
+from jax import lax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax_lite as kl  # noqa: E402
+
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                            "data", "mnist.npz")
+AXIS = "data"
+
+
+# ---------------------------------------------------------------------------
+# Model and data.
+# ---------------------------------------------------------------------------
+
+
+def init_mlp(key, sizes: Sequence[int]) -> list:
+  """``[{"w": [m, n], "b": [n]}, ...]`` with LeCun-normal kernels."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  return [{"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
+          for k, m, n in zip(keys, sizes[:-1], sizes[1:])]
+
+
+def loss_fn(params: list, batch: dict):
+  """Mean softmax cross-entropy of a tanh MLP; layers and loss tagged."""
+  x = batch["image"].reshape(batch["image"].shape[0], -1)
+  for i, layer in enumerate(params):
+    y = x @ layer["w"] + layer["b"]
+    y = kl.register_dense(y, x, layer["w"], layer["b"])
+    x = jnp.tanh(y) if i < len(params) - 1 else y
+  kl.register_categorical_predictive_distribution(x, batch["label"])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      x, batch["label"]).mean()
+
+
+def accuracy(params: list, images, labels):
+  x = images.reshape(images.shape[0], -1)
+  for i, layer in enumerate(params):
+    x = x @ layer["w"] + layer["b"]
+    x = jnp.tanh(x) if i < len(params) - 1 else x
+  return jnp.mean(jnp.argmax(x, -1) == labels)
+
+
+def load_mnist(path: str, train_size: int) -> dict:
+  """The bundled MNIST as float32 images in ``[0, 1]`` and int32 labels."""
+  with np.load(path) as d:
+    return {"x_train": d["x_train"][:train_size].astype(np.float32) / 255.0,
+            "y_train": d["y_train"][:train_size].astype(np.int32),
+            "x_test": d["x_test"].astype(np.float32) / 255.0,
+            "y_test": d["y_test"].astype(np.int32)}
+
+
+def batches(data: dict, batch_size: int, seed: int):
+  """Endless shuffled global batches (epoch ``e`` uses seed ``seed + e``)."""
+  n, epoch = len(data["x_train"]), 0
+  while True:
+    order = np.random.default_rng(seed + epoch).permutation(n)
+    for s in range(0, n - batch_size + 1, batch_size):
+      idx = order[s:s + batch_size]
+      yield {"image": data["x_train"][idx], "label": data["y_train"][idx]}
+    epoch += 1
+
+
+# ---------------------------------------------------------------------------
+# The data-parallel step.
+# ---------------------------------------------------------------------------
+
+
+def make_step(collection, tx, mesh: Mesh, stats_sync: str) -> Callable:
+  """``step(params, opt_state, batch, rng) -> (params, opt_state, loss)``.
+
+  ``batch`` is the global batch, split over the mesh; with
+  ``stats_sync="before_refresh"`` the optimizer state carries a leading
+  device axis (sharded, one copy per replica).
+  """
+  value_grad_and_stats = kl.value_grad_and_stats(
+      loss_fn, collection, axis_name=AXIS, stats_sync=stats_sync)
+  per_replica = stats_sync == "before_refresh"
+
+  def step(params, opt_state, batch, rng):
+    if per_replica:
+      opt_state = jax.tree.map(lambda x: x[0], opt_state)
+    loss, grads, stats = value_grad_and_stats(params, batch, rng)
+    loss, grads = lax.pmean((loss, grads), AXIS)
+    updates, opt_state = tx.update(grads, opt_state, params, stats=stats)
+    if per_replica:
+      opt_state = jax.tree.map(lambda x: x[None], opt_state)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  # Per-replica states are typed "varying" by shard_map's replication
+  # check, and so is everything computed from them (the updates too, though
+  # their values agree): that mode runs unchecked, as pmap does.
+  state_spec = P(AXIS) if per_replica else P()
+  return jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), state_spec, P(AXIS), P()),
+      out_specs=(P(), state_spec, P()), check_vma=not per_replica))
+
+
+def train(args: argparse.Namespace, data: dict) -> dict:
+  """Trains ``args.steps`` steps; returns losses, accuracy and timings."""
+  devices = jax.devices()[:args.devices]
+  mesh = Mesh(np.array(devices), (AXIS,))
+  sizes = [784] + [args.hidden] * args.depth + [10]
+  params = init_mlp(jax.random.PRNGKey(args.seed), sizes)
+  stream = batches(data, args.batch_size, args.seed)
+  example = next(stream)
+  collection = kl.scan(loss_fn, params, example)
+  tx = kl.kfac(args.lr, collection, damping=args.damping,
+               momentum=args.momentum,
+               inverse_update_period=args.inverse_period, axis_name=AXIS,
+               stats_sync=args.stats_sync,
+               distributed_inverses=args.distributed_inverses)
+  opt_state = tx.init(params)
+  # Place everything as the step returns it, so it compiles once.
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+  if args.stats_sync == "before_refresh":
+    opt_state = jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (len(devices),) + x.shape), opt_state)
+    opt_state = jax.device_put(opt_state, split)
+  else:
+    opt_state = jax.device_put(opt_state, replicated)
+  params = jax.device_put(params, replicated)
+  step = make_step(collection, tx, mesh, args.stats_sync)
+  key = jax.random.PRNGKey(args.seed + 1)
+  losses, t0, first = [], time.perf_counter(), None
+  for i in range(args.steps):
+    batch = jax.device_put(example if i == 0 else next(stream), split)
+    rng = jax.device_put(jax.random.fold_in(key, i), replicated)
+    params, opt_state, loss = step(params, opt_state, batch, rng)
+    losses.append(float(loss))
+    if first is None:
+      first = time.perf_counter() - t0
+    if args.log_every and (i + 1) % args.log_every == 0:
+      print(f"step {i + 1:5d}  loss {losses[-1]:.4f}  "
+            f"{time.perf_counter() - t0:6.1f}s", flush=True)
+  seconds = time.perf_counter() - t0
+  acc = float(jax.jit(accuracy)(params, data["x_test"], data["y_test"]))
+  return {"devices": len(devices), "steps": args.steps, "losses": losses,
+          "test_accuracy": acc, "seconds": seconds,
+          "first_step_s": first, "params": params}
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description="Data-parallel K-FAC with jax.shard_map on MNIST.",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--devices", type=int, default=4,
+                 help="mesh size (simulated CPU devices when run directly)")
+  p.add_argument("--data", default=DEFAULT_DATA, help="MNIST .npz")
+  p.add_argument("--train-size", type=int, default=20000,
+                 help="training examples used")
+  p.add_argument("--steps", type=int, default=100, help="training steps")
+  p.add_argument("--batch-size", type=int, default=256,
+                 help="global batch (divisible by --devices)")
+  p.add_argument("--hidden", type=int, default=128, help="hidden width")
+  p.add_argument("--depth", type=int, default=2, help="hidden layers")
+  p.add_argument("--lr", type=float, default=0.02, help="K-FAC lr")
+  p.add_argument("--damping", type=float, default=3e-3)
+  p.add_argument("--momentum", type=float, default=0.5)
+  p.add_argument("--inverse-period", type=int, default=5)
+  p.add_argument("--stats-sync", default="every_update",
+                 choices=["every_update", "before_refresh"])
+  p.add_argument("--distributed-inverses", action="store_true",
+                 help="split the inverse refresh across the devices")
+  p.add_argument("--log-every", type=int, default=20)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+  if args.devices > jax.device_count():
+    p.error(f"--devices {args.devices} > the {jax.device_count()} devices "
+            "jax sees (set XLA_FLAGS=--xla_force_host_platform_device_count"
+            "=N before starting Python).")
+  if args.batch_size % args.devices:
+    p.error(f"--batch-size {args.batch_size} is not divisible by --devices "
+            f"{args.devices}.")
+  return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+  """Parses flags, trains, prints a summary, returns the results dict."""
+  args = parse_args(argv)
+  data = load_mnist(args.data, args.train_size)
+  print(f"jax {jax.__version__}: {args.devices} of {jax.device_count()} "
+        f"{jax.devices()[0].platform} devices, global batch "
+        f"{args.batch_size} ({args.batch_size // args.devices} per device)",
+        flush=True)
+  results = train(args, data)
+  results.pop("params")
+  print(f"final loss {results['losses'][-1]:.4f} (first "
+        f"{results['losses'][0]:.4f}), test accuracy "
+        f"{results['test_accuracy']:.4f}, {results['steps']} steps in "
+        f"{results['seconds']:.1f}s (first step incl. compile "
+        f"{results['first_step_s']:.1f}s)")
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
