@@ -317,8 +317,10 @@ def bench(problem: Problem, args, with_optimizer: bool) -> list:
         f"{os.cpu_count()} CPUs; {len(adam.times)} timed steps each, "
         f"interleaved; OPENBLAS_NUM_THREADS="
         f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; 1-min load "
-        f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
-        "(above the CPU count: other processes competed; expect noise)\n")
+        f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        + (" (above the CPU count: other processes competed; expect noise)"
+           if max(load_before, os.getloadavg()[0]) > (os.cpu_count() or 1)
+           else "") + "\n")
   header = (f"| {'optimizer':<34} | first call | first call CPU | "
             f"{'median':>9} | {'mean':>9} | median/adam | mean/adam | "
             "first/adam |")

@@ -33,7 +33,7 @@ Run::
   python examples/mnist_autoencoder.py             # ~2-3 minutes, 2-core CPU
   python examples/mnist_autoencoder.py --steps 40 --scale 0.25   # ~30 s
   python examples/mnist_autoencoder.py --steps 500 --plot ae500.png
-  python examples/mnist_autoencoder.py --paper     # TF's setup (hours on CPU)
+  python examples/mnist_autoencoder.py --paper     # TF's setup: a GPU job
 """
 
 from __future__ import annotations
