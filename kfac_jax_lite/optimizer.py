@@ -217,7 +217,7 @@ def kfac_optimizer(collection: LayerCollection, *,
         learning_rate=z(), momentum=z(), qmodel_change=z(), rho=z(),
         loss=z(), new_loss=z(), num_skipped=jnp.zeros((), jnp.int32))
 
-  def update_fn(grads, state, params, *, batch, stats):
+  def update_fn(grads, state, params, *, batch, stats, finite):
     lam = state.damping
     count = state.curvature.count
     # One forward pass: statistics (transpose), loss and J u (JVP).
@@ -226,7 +226,7 @@ def kfac_optimizer(collection: LayerCollection, *,
     if axis_name is not None:
       loss = lax.pmean(loss, axis_name)
     cstate = curvature.step(state.curvature, params, None, stats, lam,
-                            linearized=lin)
+                            linearized=lin, gate=finite)
     delta = jax.tree.map(lambda d: -d, est.multiply_inverse(cstate.estimator,
                                                             grads))
     prev = state.velocity
@@ -275,13 +275,17 @@ def kfac_optimizer(collection: LayerCollection, *,
           "kfac_optimizer.update needs params=... and batch=... (the "
           "quadratic model and the damping rule evaluate the loss on the "
           "batch); statistics may still come from stats=....")
-    finite = linalg.all_finite([grads] + ([stats] if stats is not None
-                                          else []))
-    updates, new_state = lax.cond(
-        finite, lambda: update_fn(grads, state, params, batch=batch,
-                                  stats=stats),
-        lambda: (jax.tree.map(jnp.zeros_like, grads), state))
-    return updates, new_state._replace(
+    finite = transform.inputs_finite(grads, stats)
+    # Everything runs; a skipped step selects the old values. The curvature
+    # state guards itself (gate=): no select or conditional copies it.
+    updates, new_state = update_fn(grads, state, params, batch=batch,
+                                   stats=stats, finite=finite)
+    updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)),
+                           updates)
+    rest = transform.select_tree(finite, new_state._replace(curvature=()),
+                                 state._replace(curvature=()))
+    return updates, rest._replace(
+        curvature=new_state.curvature,
         num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
 
   return optax.GradientTransformationExtraArgs(init_fn, guarded_update_fn)

@@ -108,34 +108,47 @@ class Curvature:
                           num_cov_updates=zero(), num_inverse_updates=zero(),
                           estimator=self.estimator.init(params))
 
-  def _refresh(self, count, est_state, damping):
+  def _static_every_step(self, period) -> bool:
+    return isinstance(period, int) and period == 1
+
+  def _refresh(self, count, est_state, damping, gate):
+    """Refreshes the caches as scheduled (and only where ``gate`` holds)."""
     est, period = self.estimator, self.inverse_update_period
     if self.stagger and not isinstance(period, int):
       raise ValueError(
           "stagger_inverse_updates=True needs a static inverse_update_period;"
           " mark it static (e.g. inject_hyperparams(..., static_args=...)).")
-    if not self.stagger or period == 1:
+    refresh = lambda s, layers=None: est.update_cache(s, damping, layers)  # noqa: E731
+    if not self.stagger or self._static_every_step(period):
+      if self._static_every_step(period) and gate is None:
+        return refresh(est_state), jnp.asarray(True)
       do = (count % period) == 0
-      new = lax.cond(do, lambda s: est.update_cache(s, damping),
-                     lambda s: s, est_state)
-      return new, do
+      do = do if gate is None else do & gate
+      return lax.cond(do, refresh, lambda s: s, est_state), do
+    gate = jnp.asarray(True) if gate is None else gate
     n = len(est.blocks)
-    new = lax.cond(count == 0, lambda s: est.update_cache(s, damping),
-                   lambda s: s, est_state)
+    new = lax.cond((count == 0) & gate, refresh, lambda s: s, est_state)
     for j in range(period):
       layers = tuple(range(j, n, period))
       if layers:
-        new = lax.cond((count > 0) & (count % period == j),
-                       lambda s, l=layers: est.update_cache(s, damping, l),
-                       lambda s: s, new)
-    return new, jnp.asarray(True)
+        new = lax.cond((count > 0) & (count % period == j) & gate,
+                       lambda s, l=layers: refresh(s, l), lambda s: s, new)
+    return new, gate
 
   def step(self, state: CurvatureState, params, batch, stats, damping,
-           linearized=None):
+           linearized=None, gate=None):
     """Updates statistics and caches as scheduled; returns the new state.
 
     ``linearized`` (an :class:`~kfac_jax_lite.estimator.Linearized` of this
     batch) replaces ``batch`` when the caller already ran the forward pass.
+    ``gate`` (a scalar bool, "the gradients are finite"): where it is False
+    the counters, the key and the caches stay as they are (it joins the
+    predicate of the refresh's ``lax.cond``); the factors fold in only
+    finite statistics whatever the gate. There is no conditional around
+    the whole state: on XLA:CPU one copies every factor and cache each
+    step and doubles the compile time.
+
+    Static periods of 1 trace no conditional at all.
     """
     if linearized is not None:
       if stats is None:
@@ -145,20 +158,41 @@ class Curvature:
     # The estimator folds the key with the axis index (per-replica draws).
     key, next_rng = jax.random.split(state.rng)
     count = state.count
-    do_cov = (count % self.cov_update_period) == 0
+
     def cov_update(s):
       st = stats(key) if callable(stats) else stats
       return self.estimator.update_curvature(s, params, batch, key, stats=st)
 
-    est_state = lax.cond(do_cov, cov_update, lambda s: s, state.estimator)
+    if self._static_every_step(self.cov_update_period):
+      do_cov = jnp.asarray(True)
+      est_state = cov_update(state.estimator)
+    else:
+      do_cov = (count % self.cov_update_period) == 0
+      est_state = lax.cond(do_cov, cov_update, lambda s: s, state.estimator)
+    if gate is not None:
+      # The factors are not selected: every block already folds in only
+      # finite statistics (blocks.base.ema_update). A select of every
+      # factor on one global predicate doubles XLA's compile time (all
+      # factors then stay live until the last gradient is checked).
+      do_cov = do_cov & gate
     lam = jnp.asarray(damping, linalg.factor_dtype())
-    est_state, do_inv = self._refresh(count, est_state, lam)
+    est_state, do_inv = self._refresh(count, est_state, lam, gate)
     one = lambda b: b.astype(jnp.int32)  # noqa: E731
+    if gate is not None:
+      next_rng = jnp.where(gate, next_rng, state.rng)
     return CurvatureState(
-        count=count + 1, rng=next_rng,
+        count=count + (1 if gate is None else one(gate)), rng=next_rng,
         num_cov_updates=state.num_cov_updates + one(do_cov),
         num_inverse_updates=state.num_inverse_updates + one(do_inv),
         estimator=est_state)
+
+
+def select_tree(pred, new, old):
+  """``where(pred, new, old)`` leaf by leaf; leaves that are the very same
+  array in both (passed through unchanged) are not touched, so no copy of
+  them is traced."""
+  return jax.tree.map(lambda n, o: n if n is o else jnp.where(pred, n, o),
+                      new, old)
 
 
 def make_curvature(collection, *, cov_ema_decay, cov_update_period,
@@ -262,8 +296,10 @@ def scale_by_kfac(collection: LayerCollection, *,
       raise ValueError("scale_by_kfac.update needs params=... (the current "
                        "parameters), as optax.adamw does.")
     count = state.count
+    # Non-finite gradients or statistics never reach the factors.
     state = curvature.step(state, params, batch, stats,
-                           value_at(damping, count))
+                           value_at(damping, count),
+                           gate=inputs_finite(updates, stats))
     direction = est.multiply_matpower(state.estimator, updates, power)
     if norm_constraint is not None:
       nu = kl_clip_coefficient(direction, updates,
@@ -280,6 +316,10 @@ class SkipNonFiniteState(NamedTuple):
   inner: Any                # the wrapped transformation's state
 
 
+def _is_curvature(x) -> bool:
+  return isinstance(x, CurvatureState)
+
+
 def skip_nonfinite(inner: optax.GradientTransformationExtraArgs
                    ) -> optax.GradientTransformationExtraArgs:
   """Skips steps whose gradients or ``stats=`` are not all finite.
@@ -290,24 +330,35 @@ def skip_nonfinite(inner: optax.GradientTransformationExtraArgs
   ``optax.apply_if_finite`` it also checks curvature statistics passed as
   ``stats=``, and never gives up skipping. A NaN in a batch given as
   ``batch=`` shows up in the gradients of that batch.
+
+  The inner update always runs and its results are selected with
+  ``jnp.where``. The K-FAC states inside (:class:`CurvatureState`) guard
+  themselves (``scale_by_kfac`` gates its factors and refreshes on the same
+  check), so their large factors and caches are never copied through a
+  select or a conditional.
   """
 
   def init_fn(params):
     return SkipNonFiniteState(jnp.zeros((), jnp.int32), inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    checked = [updates]
-    if extra_args.get("stats") is not None:
-      checked.append(extra_args["stats"])
-    finite = linalg.all_finite(checked)
-    new_updates, new_inner = lax.cond(
-        finite, lambda: inner.update(updates, state.inner, params,
-                                     **extra_args),
-        lambda: (jax.tree.map(jnp.zeros_like, updates), state.inner))
+    finite = inputs_finite(updates, extra_args.get("stats"))
+    new_updates, new_inner = inner.update(updates, state.inner, params,
+                                          **extra_args)
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+    new_inner = jax.tree.map(
+        lambda n, o: n if _is_curvature(n) else select_tree(finite, n, o),
+        new_inner, state.inner, is_leaf=_is_curvature)
     return new_updates, SkipNonFiniteState(
         state.num_skipped + (~finite).astype(jnp.int32), new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def inputs_finite(updates, stats=None) -> jnp.ndarray:
+  """True when the gradients (and ``stats``, if given) are all finite."""
+  return linalg.all_finite([updates] + ([stats] if stats is not None else []))
 
 
 def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
@@ -343,17 +394,41 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   check_nonnegative("momentum", momentum)
   scale_by_kfac_kwargs = unnest_kwargs(scale_by_kfac_kwargs,
                                        "scale_by_kfac_kwargs")
-  parts = [scale_by_kfac(
+  precondition = scale_by_kfac(
       collection, damping=damping, cov_ema_decay=cov_ema_decay,
       inverse_update_period=inverse_update_period,
       estimation_mode=estimation_mode, norm_constraint=norm_constraint,
-      learning_rate=learning_rate, **scale_by_kfac_kwargs)]
+      learning_rate=learning_rate, **scale_by_kfac_kwargs)
+  parts = []
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   if not isinstance(momentum, (int, float)) or momentum:
     parts.append(optax.trace(decay=momentum))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return skip_nonfinite(optax.chain(*parts))
+  rest = optax.chain(*parts)
+
+  # The state is that of skip_nonfinite(chain(precondition, *parts)). The
+  # curvature guards itself (gate); only the small rest of the chain sits
+  # in the conditional, so no factor or cache is copied through it.
+  def init_fn(params):
+    return SkipNonFiniteState(jnp.zeros((), jnp.int32),
+                              (precondition.init(params),)
+                              + tuple(rest.init(params)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    finite = inputs_finite(updates, extra_args.get("stats"))
+    direction, curvature = precondition.update(updates, state.inner[0],
+                                               params, **extra_args)
+    rest_state = tuple(state.inner[1:])
+    new_updates, rest_state = lax.cond(
+        finite,
+        lambda: rest.update(direction, rest_state, params, **extra_args),
+        lambda: (jax.tree.map(jnp.zeros_like, direction), rest_state))
+    return new_updates, SkipNonFiniteState(
+        state.num_skipped + (~finite).astype(jnp.int32),
+        (curvature,) + tuple(rest_state))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 # Backwards-compatible name for the state of scale_by_kfac.

@@ -1,0 +1,103 @@
+"""Skipping non-finite steps without copying the curvature state.
+
+``kfac`` and ``kfac_optimizer`` never put the factors or caches inside a
+conditional or a select on "the inputs are finite": the curvature state
+guards itself (``Curvature.step(gate=...)``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_jax_lite as kl
+from tests import helpers
+
+
+@pytest.fixture(name="problem", scope="module")
+def _problem():
+  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
+  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
+             for i in range(3)]
+  collection = kl.scan(helpers.classifier_loss, params, batches[0])
+  vgs = kl.value_grad_and_stats(helpers.classifier_loss, collection)
+  return params, batches, collection, vgs
+
+
+def _kfac_state(state):
+  return state.inner[0]
+
+
+def test_nonfinite_grads_keep_schedule_caches_and_momentum(problem):
+  """Non-finite gradients: zero update, counters, key, caches and momentum
+  unchanged. Finite statistics of the same batch are still folded in (they
+  describe its curvature); non-finite statistics are not."""
+  params, batches, c, vgs = problem
+  tx = kl.kfac(0.1, c, damping=1e-2, inverse_update_period=1)
+  step = jax.jit(lambda g, s, p, st: tx.update(g, s, p, stats=st))
+  state = tx.init(params)
+  _, grads, stats = vgs(params, batches[0], jax.random.PRNGKey(0))
+  _, state = step(grads, state, params, stats)
+
+  _, grads, stats = vgs(params, batches[1], jax.random.PRNGKey(1))
+  bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
+  updates, new = step(bad, state, params, stats)
+  assert int(new.num_skipped) == 1
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  old_k, new_k = _kfac_state(state), _kfac_state(new)
+  for name in ("count", "rng", "num_inverse_updates", "num_cov_updates"):
+    np.testing.assert_array_equal(getattr(new_k, name), getattr(old_k, name))
+  for ob, nb in zip(old_k.estimator.blocks, new_k.estimator.blocks):
+    for key in ob.cache:
+      np.testing.assert_array_equal(nb.cache[key], ob.cache[key])
+  for o, n in zip(jax.tree.leaves(state.inner[1:]),
+                  jax.tree.leaves(new.inner[1:])):
+    np.testing.assert_array_equal(n, o)   # momentum
+  # Finite statistics were folded into the factors.
+  assert not np.array_equal(new_k.estimator.blocks[0].a,
+                            old_k.estimator.blocks[0].a)
+
+  nan_stats = jax.tree.map(lambda x: x * jnp.nan, stats)
+  _, new = step(grads, state, params, nan_stats)
+  assert int(new.num_skipped) == 1
+  for o, n in zip(jax.tree.leaves(_kfac_state(state)),
+                  jax.tree.leaves(_kfac_state(new))):
+    np.testing.assert_array_equal(n, o)
+
+
+def _conds(jaxpr, factor_shapes):
+  """``(takes a factor-shaped operand, nested conds)`` per top-level cond."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name != "cond":
+      continue
+    takes = any(getattr(v.aval, "shape", None) in factor_shapes
+                for v in eqn.invars)
+    nested = sum(1 for br in eqn.params["branches"]
+                 for e in br.jaxpr.eqns if e.primitive.name == "cond")
+    out.append((takes, nested))
+  return out
+
+
+@pytest.mark.parametrize("make", ["kfac", "kfac_optimizer"])
+def test_no_conditional_around_the_curvature_state(problem, make):
+  """Only the inverse refresh's ``lax.cond`` takes factor-sized operands,
+  and it is not nested inside another conditional (as it was when a
+  skip-if-non-finite ``cond`` wrapped the whole update)."""
+  params, batches, c, vgs = problem
+  tx = (kl.kfac(0.1, c, inverse_update_period=5) if make == "kfac"
+        else kl.kfac_optimizer(c, damping_adaptation_interval=5))
+  state = tx.init(params)
+  _, grads, stats = vgs(params, batches[0], jax.random.PRNGKey(0))
+  kw = {"stats": stats}
+  if make == "kfac_optimizer":
+    kw["batch"] = batches[0]
+  jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params, **kw))(
+      grads, state).jaxpr
+  curvature = state.inner[0] if make == "kfac" else state.curvature
+  factor_shapes = {x.shape for x in jax.tree.leaves(curvature.estimator)
+                   if x.ndim == 2}
+  assert factor_shapes == {(7, 7), (8, 8), (9, 9), (3, 3)}
+  big = [c for c in _conds(jaxpr, factor_shapes) if c[0]]
+  assert len(big) == 1, big
+  assert big[0][1] == 0, big
