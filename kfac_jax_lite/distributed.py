@@ -146,6 +146,7 @@ def average_factors(blocks: Sequence, states: Sequence, axis_name) -> list:
   skipped: their statistics are already reduced over the axis at every
   update.
   """
+  axis_size(axis_name)
   picked = [{} if b.needs_param_grads else
             {k: getattr(s, k) for k in factor_fields(b, s)}
             for b, s in zip(blocks, states)]

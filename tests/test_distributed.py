@@ -182,6 +182,48 @@ def test_one_pass_stats_under_shard_map_match_one_device(problem, mesh):
   helpers.assert_trees_close(got, want, rtol=1e-5)
 
 
+def test_kfac_optimizer_data_parallel_matches_one_device(problem, mesh):
+  """The quadratic model's Fisher Gram and the LM rule's losses are
+  averaged over the axis: α, μ, ρ, λ and the params match one device.
+
+  A 2-layer MLP (the optimizer's own reductions do not depend on the
+  blocks) under shard_map (pmap is covered by the bitwise-identical test
+  below): compiling ``kfac_optimizer`` is most of the test's time.
+  """
+  _, batches, _ = problem
+  loss = helpers.classifier_loss
+  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
+  c = kl.scan(loss, params, batches[0])
+
+  def run(axis):
+    tx = kl.kfac_optimizer(c, initial_damping=1e-2, estimation_mode="exact",
+                           damping_adaptation_interval=1, axis_name=axis)
+
+    def step(params, state, batch):
+      grads = jax.grad(loss)(params, batch)
+      if axis:  # shard_map sums the gradient of replicated params.
+        grads = jax.tree.map(lambda g: g / lax.axis_size(axis), grads)
+      updates, state = tx.update(grads, state, params, batch=batch)
+      return optax.apply_updates(params, updates), state
+
+    if axis:
+      step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(axis)),
+                           out_specs=(P(), P()))
+    step, p, s = jax.jit(step), params, tx.init(params)
+    for b in batches:
+      p, s = step(p, s, b)
+    return p, s
+
+  want_p, want_s = run(None)
+  got_p, got_s = run("d")
+  assert float(want_s.momentum) != 0.0  # Both coefficients were adapted.
+  for name in ("learning_rate", "momentum", "rho", "damping", "loss",
+               "new_loss", "qmodel_change"):
+    np.testing.assert_allclose(getattr(got_s, name), getattr(want_s, name),
+                               rtol=1e-4, err_msg=name)
+  helpers.assert_trees_close(got_p, want_p, rtol=1e-5)
+
+
 @pytest.mark.parametrize("make", [
     lambda c, axis: kl.kfac(0.1, c, damping=1e-2, inverse_update_period=3,
                             axis_name=axis),

@@ -41,7 +41,10 @@ class LayerData(NamedTuple):
     param_grads: per parameter leaf, ``[S, *leaf.shape]`` gradients of the
       summed (over the batch) per-source loss; only for blocks with
       ``needs_param_grads``, else ``()``.
-    batch_size: ``B``.
+    batch_size: ``B``. Under an estimator ``axis_name``, blocks with
+      ``needs_param_grads`` get ``param_grads`` summed over the *global*
+      batch (all replicas) and ``batch_size`` the global batch size; inputs
+      and output gradients are always this replica's.
   """
   inputs: tuple
   grads: tuple
@@ -149,7 +152,10 @@ class Block:
   """Interface of a curvature block (documentation only; see kronecker.py).
 
   Attributes every block has: ``layer`` (:class:`Layer`), ``config``
-  (:class:`BlockConfig`), ``needs_param_grads`` (bool).
+  (:class:`BlockConfig`), ``needs_param_grads`` (bool). Optional:
+  ``factor_fields``, the names of the state fields holding EMA'd statistics
+  (averaged across replicas by ``stats_sync="before_refresh"``); by default
+  every field except ``weight``, ``damping`` and ``cache``.
   """
   layer: Layer
   config: BlockConfig
