@@ -8,10 +8,12 @@ Two models (``--models``):
   (``784-1000-500-250-30-250-500-1000-784``, sigmoid cross-entropy plus
   L2), batch 500; ``kfac`` and ``kfac_optimizer`` at each inverse period.
 
-Every optimizer runs the same jitted step structure: loss and gradient
-(for K-FAC: :func:`kfac_jax_lite.value_grad_and_stats`, which also returns
-the curvature statistics), ``tx.update`` (``kfac_optimizer`` also gets
-``batch=`` for its quadratic model), ``optax.apply_updates``.
+Every optimizer runs the same jitted step structure, donating params and
+state: loss and gradient (for ``kfac``:
+:func:`kfac_jax_lite.value_grad_and_stats`, which also returns the
+curvature statistics), ``tx.update``, ``optax.apply_updates``.
+``kfac_optimizer`` runs ``tx.update(None, state, params, batch=batch)``:
+loss, gradient, statistics and its quadratic model from one forward pass.
 
 Reported per optimizer:
 
@@ -146,19 +148,23 @@ def adam_step(loss_fn, tx) -> Callable:
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
-  return jax.jit(step)
+  return jax.jit(step, donate_argnums=(0, 1))
 
 
 def kfac_step(loss_fn, tx, collection, pass_batch: bool = False) -> Callable:
-  """K-FAC's step; ``pass_batch`` for kfac_optimizer (quadratic model)."""
+  """K-FAC's step; ``pass_batch`` for kfac_optimizer, whose
+  ``update(None, ..., batch=)`` takes loss, gradient, statistics and its
+  quadratic model's products from one forward pass."""
   vgs = kfac_jax_lite.value_grad_and_stats(loss_fn, collection)
 
   def step(params, state, batch, rng):
+    if pass_batch:
+      updates, state = tx.update(None, state, params, batch=batch)
+      return optax.apply_updates(params, updates), state, state.loss
     loss, grads, stats = vgs(params, batch, rng)
-    extra = {"batch": batch} if pass_batch else {}
-    updates, state = tx.update(grads, state, params, stats=stats, **extra)
+    updates, state = tx.update(grads, state, params, stats=stats)
     return optax.apply_updates(params, updates), state, loss
-  return jax.jit(step)
+  return jax.jit(step, donate_argnums=(0, 1))
 
 
 class Runner:
@@ -167,7 +173,10 @@ class Runner:
   def __init__(self, name: str, make_step: Callable, tx, params, batches):
     self.name, self.batches = name, batches
     self.make_step, self.step = make_step, make_step()
-    self.params, self.state = params, tx.init(params)
+    # Own copies: the steps donate params and state (as a training loop
+    # should), which frees the buffers they were given.
+    self.params = jax.tree.map(jnp.copy, params)
+    self.state = tx.init(self.params)
     self.key, self.count, self.times = jax.random.PRNGKey(1), 0, []
     self.first_call_s = self.first_call_cpu_s = None
 

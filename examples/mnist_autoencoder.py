@@ -13,10 +13,10 @@ Optimizers, on the same batches in the same order:
 * :func:`kfac_jax_lite.kfac_optimizer`: the full algorithm (Levenberg-
   Marquardt damping, learning rate and momentum from the quadratic model),
   at its defaults except ``l2_reg=1e-5`` (the regulariser's curvature) and
-  ``--kfac-damping``. Its step uses
-  :func:`kfac_jax_lite.value_grad_and_stats` for the loss, gradient and
-  curvature statistics and ``update(..., stats=..., batch=...)``: the batch
-  feeds the quadratic model and the damping rule.
+  ``--kfac-damping``. Its step is ``update(None, state, params,
+  batch=batch)``: one forward pass of the batch gives the loss, the
+  gradient, the curvature statistics and the Fisher-vector products of the
+  quadratic model.
 * ``optax.adam`` at ``--adam-lr`` (default ``1e-3``), tuned on 300 steps
   of the default run (batch 500, seed 0) over ``{1e-4, 3e-4, 1e-3, 3e-3}``:
   losses 167.8, 130.7, 114.5 and 147.0 (mean of the last 20 batches).
@@ -171,16 +171,16 @@ def batch_stream(images: np.ndarray, steps: int, batch_size, seed: int
 def make_kfac_step(collection, tx) -> Callable:
   """Jitted ``step(params, state, batch, rng) -> (params, state, loss)``.
 
-  One forward pass gives loss, gradient and statistics; ``kfac_optimizer``
-  also needs the batch for its quadratic model and damping rule.
+  ``tx.update(None, ...)``: ``kfac_optimizer`` takes loss, gradient,
+  statistics and its Fisher-vector products from one forward pass of the
+  batch (it samples with the key in its state, so ``rng`` is unused).
   """
-  vgs = kfac_jax_lite.value_grad_and_stats(loss_fn, collection)
+  del collection  # tx was built from it.
 
   def step(params, state, batch, rng):
-    loss, grads, stats = vgs(params, batch, rng)
-    updates, state = tx.update(grads, state, params, stats=stats,
-                               batch=batch)
-    return optax.apply_updates(params, updates), state, loss
+    del rng
+    updates, state = tx.update(None, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state, state.loss
 
   return jax.jit(step, donate_argnums=(0, 1))
 

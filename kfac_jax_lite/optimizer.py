@@ -153,6 +153,12 @@ def kfac_optimizer(collection: LayerCollection, *,
   loss on it); statistics may come from ``value_grad_and_stats`` via
   ``stats=`` or are computed from the batch.
 
+  ``grads=None`` is the fastest step: the optimizer then takes the
+  gradient from the same single forward pass (``jax.linearize``) that
+  gives the statistics and the Fisher-vector products, instead of a
+  separate ``jax.grad``; the loss is ``state.loss`` afterwards. Under an
+  ``axis_name`` that gradient is averaged over the axis.
+
   Args:
     collection: from :func:`kfac_jax_lite.scan`.
     initial_damping: λ at step 0.
@@ -183,6 +189,8 @@ def kfac_optimizer(collection: LayerCollection, *,
   Example:
     >>> tx = kfac_optimizer(collection, initial_damping=1.0)
     >>> updates, state = tx.update(grads, state, params, batch=batch)
+    >>> # or, one forward pass for everything:
+    >>> updates, state = tx.update(None, state, params, batch=batch)
     >>> print(state.damping, state.learning_rate, state.momentum, state.rho)
   """
   for name, v in (("initial_damping", initial_damping),
@@ -217,11 +225,9 @@ def kfac_optimizer(collection: LayerCollection, *,
         learning_rate=z(), momentum=z(), qmodel_change=z(), rho=z(),
         loss=z(), new_loss=z(), num_skipped=jnp.zeros((), jnp.int32))
 
-  def update_fn(grads, state, params, *, batch, stats, finite):
+  def update_fn(grads, state, params, *, batch, stats, finite, lin):
     lam = state.damping
     count = state.curvature.count
-    # One forward pass: statistics (transpose), loss and J u (JVP).
-    lin = est.linearize(params, batch)
     loss = lin.loss
     if axis_name is not None:
       loss = lax.pmean(loss, axis_name)
@@ -275,11 +281,18 @@ def kfac_optimizer(collection: LayerCollection, *,
           "kfac_optimizer.update needs params=... and batch=... (the "
           "quadratic model and the damping rule evaluate the loss on the "
           "batch); statistics may still come from stats=....")
+    # One forward pass: statistics (transpose), loss and J u (JVP), and
+    # with grads=None the gradient too.
+    lin = est.linearize(params, batch)
+    if grads is None:
+      grads = lin.gradient()
+      if axis_name is not None:
+        grads = lax.pmean(grads, axis_name)
     finite = transform.inputs_finite(grads, stats)
     # Everything runs; a skipped step selects the old values. The curvature
     # state guards itself (gate=): no select or conditional copies it.
     updates, new_state = update_fn(grads, state, params, batch=batch,
-                                   stats=stats, finite=finite)
+                                   stats=stats, finite=finite, lin=lin)
     updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)),
                            updates)
     rest = transform.select_tree(finite, new_state._replace(curvature=()),

@@ -101,3 +101,39 @@ def test_no_conditional_around_the_curvature_state(problem, make):
   big = [c for c in _conds(jaxpr, factor_shapes) if c[0]]
   assert len(big) == 1, big
   assert big[0][1] == 0, big
+
+
+def _count(jaxpr, name):
+  """Top-level equations of primitive ``name`` (branches not entered)."""
+  return sum(1 for e in jaxpr.eqns if e.primitive.name == name)
+
+
+def test_kfac_optimizer_grads_none_is_one_forward_pass(problem):
+  """``update(None, ...)`` takes the gradient from the optimizer's own
+  linearisation: the same updates and state as with ``jax.grad``, and one
+  forward pass (one ``tanh`` per hidden layer) where the two-pass step
+  traces two."""
+  params, batches, c, _ = problem
+  tx = kl.kfac_optimizer(c, damping_adaptation_interval=2)
+
+  def one_pass(p, s, b):
+    return tx.update(None, s, p, batch=b)
+
+  def two_pass(p, s, b):
+    return tx.update(jax.grad(helpers.classifier_loss)(p, b), s, p, batch=b)
+
+  results = []
+  for fn in (one_pass, two_pass):
+    p, s = params, tx.init(params)
+    step = jax.jit(fn)
+    for b in batches:
+      u, s = step(p, s, b)
+      p = jax.tree.map(lambda x, d: x + d, p, u)
+    results.append((p, s))
+  helpers.assert_trees_close(results[0], results[1], rtol=1e-5)
+  assert float(results[0][1].loss) > 0   # the loss of the last batch
+  s0 = tx.init(params)
+  assert _count(jax.make_jaxpr(one_pass)(params, s0, batches[0]).jaxpr,
+                "tanh") == 1
+  assert _count(jax.make_jaxpr(two_pass)(params, s0, batches[0]).jaxpr,
+                "tanh") == 2
