@@ -54,7 +54,9 @@ PER_EXAMPLE = [
     ("scale_and_shift_diagonal", cases.scale_and_shift,
      dict(approx="diagonal")),
 ] + [(f"scale_and_shift_full_{c}", cases.scale_and_shift,
-      dict(approx="full", case=c)) for c in cases.SCALE_SHIFT_SHAPES]
+      dict(approx="full", case=c)) for c in cases.SCALE_SHIFT_SHAPES] + [
+          (f"depthwise_lax_diagonal_{c}", cases.depthwise_lax,
+           dict(approx="diagonal", case=c)) for c in cases.DEPTHWISE_LAX]
 
 
 @pytest.mark.parametrize("name,builder,kwargs", PER_EXAMPLE,
@@ -208,6 +210,62 @@ def test_depthwise_kron_is_restricted_dense_kfc(data_format, mult):
   idx = ((hw * c + ci) * c * m + ci * m + mi).reshape(-1)
   same_channel = (ci.reshape(-1)[:, None] == ci.reshape(-1)[None, :])
   explicit = dense[idx][:, idx] * same_channel
+  full = _full(h.make_block(layer), data)
+  np.testing.assert_allclose(full, explicit, rtol=1e-10,
+                             atol=1e-12 * np.abs(explicit).max())
+
+
+def _lax_dense_filter(w, spec, c):
+  """Lax depthwise kernel (``I = 1``, ``O = C·M``) -> dense ``I = C`` filter."""
+  i_ax, o_ax = spec.index("I"), spec.index("O")
+  m = w.shape[o_ax] // c
+  w = jnp.moveaxis(w, (i_ax, o_ax), (-2, -1))     # [..., 1, C·M]
+  ci = np.repeat(np.arange(c), m)                 # input channel of output o
+  dense = jnp.where(jnp.arange(c)[:, None] == ci[None, :], w, 0.0)
+  return jnp.moveaxis(dense, (-2, -1), (i_ax, o_ax))
+
+
+@pytest.mark.parametrize("case,bias", [("nwc_1d", True), ("nchw_oihw", True),
+                                       ("ndhwc_3d", False)])
+def test_depthwise_lax_kron_is_restricted_dense_kfc(case, bias):
+  """The flax/lax kernel layout: same restriction of the dense-equivalent KFC.
+
+  Entry ``(k, c, m)`` of the depthwise kernel is entry ``(k, c)`` x ``c·M + m``
+  of the dense filter; the bias ``c·M + m`` is its bias column ``c·M + m``.
+  """
+  layer, data, params, fn = cases.depthwise_lax(11, "kron", case, bias)
+  meta = cases.DEPTHWISE_LAX[case]
+  kw, _ = cases.depthwise_lax_meta(case)
+  c = kw["feature_group_count"]
+  spec = cases.rhs_spec(meta)
+  w = params[0]
+  dense_w = _lax_dense_filter(w, spec, c)
+  dense_meta = dict(meta, w=dense_w.shape)
+  dense_fn = cases.conv_fn(dense_meta)
+  x = data.inputs[0][0][:, 0]
+  np.testing.assert_allclose(fn(params, x),
+                             dense_fn((dense_w,) + params[1:], x),
+                             rtol=1e-12, atol=1e-12)
+  cst, omega, gamma, _ = _kfc_explicit(dense_meta, data,
+                                       (dense_w,) + params[1:], bias)
+  dense = cst * np.kron(omega, gamma)       # kernel-matrix order
+  # Matrix position (row (k, ci) or the bias row, column o) of every
+  # depthwise parameter, in ravel order of (w[, b]).
+  o_total = w.shape[spec.index("O")]
+  m = o_total // c
+  sp = [i for i, ch in enumerate(spec) if ch not in "IO"]
+  k_idx = np.ravel_multi_index(
+      np.indices(w.shape)[sp], [w.shape[i] for i in sp])
+  o_idx = np.indices(w.shape)[spec.index("O")]
+  rows = (k_idx * c + o_idx // m).reshape(-1)
+  cols = o_idx.reshape(-1)
+  chan = cols // m
+  if bias:
+    rows = np.append(rows, np.full(o_total, omega.shape[0] - 1))
+    cols = np.append(cols, np.arange(o_total))
+    chan = np.append(chan, np.arange(o_total) // m)
+  idx = rows * o_total + cols
+  explicit = dense[idx][:, idx] * (chan[:, None] == chan[None, :])
   full = _full(h.make_block(layer), data)
   np.testing.assert_allclose(full, explicit, rtol=1e-10,
                              atol=1e-12 * np.abs(explicit).max())

@@ -159,12 +159,9 @@ class Matcher:
     if groups == 1:
       kind = "conv"
     elif groups == c_in:
-      # Recognised, but the depthwise block takes register_depthwise_conv2d's
-      # [h, w, C, M] kernel; lax/flax kernels are [*spatial, 1, C*M].
-      return self._reject(
-          f"depthwise convolution (feature_group_count={groups}) in the "
-          "lax/flax kernel layout has no automatic block yet; tag it with "
-          "register_depthwise_conv2d on the kernel reshaped to [h, w, C, M]")
+      # Depthwise: the kernel is [*spatial, 1, C*M] in the rhs layout; the
+      # depthwise block reads it as [*spatial, C, M] (blocks/depthwise.py).
+      kind = "depthwise_conv"
     else:
       return self._reject(
           f"grouped convolution (feature_group_count={groups}, {c_in} input "
