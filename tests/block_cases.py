@@ -239,6 +239,23 @@ def embedding(key, approx="kron", vocab=5, dim=3, k=2, sites=1):
       lambda p, ids: p[0][ids])
 
 
+def tied(key, vocab=5, dim=3, k=2, t=3):
+  """A tied table: ids ``[B, k]`` looked up, ``x: [B, t, dim] @ table.T``.
+
+  Sites in trace order: the lookup (integer ids), then the attend (float x).
+  """
+  ks = _split(key, 5)
+  params = (_normal(ks[0], (vocab, dim)),)
+  ids = jnp.asarray(np.random.default_rng(ks[1]).integers(0, vocab,
+                                                          (B, 1, k)))
+  g = _normal(ks[2], (S, B, 1, k, dim))
+  x = _normal(ks[3], (B, 1, t, dim))
+  delta = _normal(ks[4], (S, B, 1, t, vocab))
+  layer = h.make_layer("tied_embedding", "kron_sum", [params[0].shape],
+                       num_uses=k + t)
+  return layer, h.layer_data([(ids,), (x,)], [g, delta], params), params, None
+
+
 SCALE_SHIFT_SHAPES = {
     "layernorm": ((B, 4, 3), (3,), (3,)),
     "batchnorm_conv": ((B, 3, 2, 2), (2,), (2,)),
@@ -320,6 +337,7 @@ CASES = {
     "embedding_kron": (embedding, {}, ALL),
     "embedding_kron_indep": (embedding, dict(approx="kron_indep", sites=2),
                              ALL),
+    "tied_kron_sum": (tied, {}, ("inverse", "cholesky")),
     "scale_and_shift_full": (scale_and_shift, {}, ALL),
     "scale_and_shift_diagonal": (scale_and_shift, dict(approx="diagonal"),
                                  ALL),

@@ -1,12 +1,9 @@
 """Automatic layer recognition (scan(..., auto_register=True)).
 
 Each model test asserts the exact layers (kind, uses, approximation, how
-found, parameter paths) and, where every layer kind has a block in this
-version (fully_connected kron/kron_indep, generic diagonal), that one jitted
-``kfac`` update runs and is finite. For conv, depthwise conv, embedding and
-scale_and_shift layers the blocks are not in this branch yet: those tests
-check the collection (kinds, metadata) and the inputs ``perturbed_fn``
-records for the blocks.
+found, parameter paths), checks what ``perturbed_fn`` records for the
+blocks where the layout matters, and runs one jitted ``kfac`` update whose
+result must be finite.
 """
 
 import time
@@ -620,19 +617,23 @@ def test_embed_and_dense():
   np.testing.assert_array_equal(rec_e[0], ids)
   assert emb.y_aval.shape == (B, 3, 4)
   assert rec_d[0].shape == (B, 3, 4)
+  _update(loss_fn, params, batch, c)
 
 
-def test_tied_embedding_is_a_documented_fallback():
+def test_tied_embedding_is_one_multi_use_layer():
+  """Embed + Embed.attend: lookups and x @ table.T make one kron_sum layer."""
   ids = _labels(B, 3, n=11)
   loss_fn, params, batch = _linen(_EmbedNet(tied=True), ids, ids)
-  c = kl.scan(loss_fn, params, batch)
-  assert _summary(c) == [("generic", 1, "diagonal", "leftover")]
-  note = c.layers[0].note
-  assert "recognised as embedding" in note and "Embed.attend" in note
-  assert "Embed.attend" in c.describe()
-  with pytest.raises(ValueError,
-                     match=r"\['Embed_0'\]\['embedding'\].*Embed\.attend"):
-    kl.scan(loss_fn, params, batch, strict=True)
+  c = kl.scan(loss_fn, params, batch, strict=True)
+  # Three lookups and three attend positions per example.
+  assert _summary(c) == [("tied_embedding", 6, "kron_sum", "auto")]
+  assert c.layers[0].param_shapes == ((11, 4),)
+  assert "fallbacks" not in c.describe()
+  (look, rec_l), (att, rec_a) = _records(c, params, batch).values()
+  assert (look.kind, att.kind) == ("embedding", "tied_embedding")
+  np.testing.assert_array_equal(rec_l[0], ids)
+  assert rec_a[0].dtype == jnp.float32 and rec_a[0].shape == (B, 3, 4)
+  assert att.y_aval.shape == (B, 3, 11)
   _update(loss_fn, params, batch, c)
 
 
@@ -838,7 +839,10 @@ def test_transposed_kernel_and_parameter_products_fall_back():
   c = kl.scan(loss_fn, params, batch)
   assert _summary(c) == [("generic", 1, "diagonal", "leftover")] * 3
   text = c.describe()
+  # x @ w.T is the output projection of a tied embedding only when the
+  # table is also looked up.
   assert "contracts the parameter on its last axis" in text
+  assert "not also looked up by ids" in text
   assert "a product of two parameters is not a layer" in text
 
 

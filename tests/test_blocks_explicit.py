@@ -358,6 +358,90 @@ def test_embedding_50k_vocab_never_allocates_vocab_squared():
 
 
 # ---------------------------------------------------------------------------
+# Tied embeddings.
+# ---------------------------------------------------------------------------
+
+
+def _tied_terms(data, vocab):
+  """Hand-computed ``(c_e, a, G, c_o, r, X)`` of a tied table (numpy)."""
+  ids = np.asarray(data.inputs[0][0]).reshape(-1)
+  g = np.asarray(data.grads[0]).reshape(data.grads[0].shape[0], -1,
+                                        data.grads[0].shape[-1])
+  x = np.asarray(data.inputs[1][0]).reshape(-1, g.shape[-1])
+  delta = np.asarray(data.grads[1]).reshape(g.shape[0], -1, vocab)
+  n_e, n_o, b = ids.size, x.shape[0], data.batch_size
+  onehot = np.eye(vocab)[ids]
+  a = np.diag(onehot.T @ onehot) / n_e           # lookup frequencies
+  gg = sum(gs.T @ gs for gs in g) / n_e
+  r = sum((ds ** 2).sum(0) for ds in delta) / n_o
+  xx = x.T @ x / n_o
+  return n_e / b, a, gg, n_o / b, r, xx
+
+
+def test_tied_embedding_statistics_by_hand():
+  """``c_e diag(a) ⊗ G + c_o diag(r) ⊗ X`` on a tiny vocab; the damped block
+  is the sum of the two pi-damped terms with λ' = λ / (c_e + c_o)."""
+  vocab, damping = 5, 0.1
+  layer, data, params, _ = cases.tied(12, vocab=vocab, dim=3, k=2, t=3)
+  block = h.make_block(layer)
+  c_e, a, gg, c_o, r, xx = _tied_terms(data, vocab)
+  assert (c_e, c_o) == (2, 3)
+  explicit = c_e * np.kron(np.diag(a), gg) + c_o * np.kron(np.diag(r), xx)
+  v = h.random_like(2, params)
+
+  @h.jit
+  def run(v):
+    state = h.fit(block, data, damping)
+    return (block.full_fisher_block(state), block.multiply(state, v),
+            block.multiply_inverse(state, v))
+
+  full, m, mi = run(v)
+  np.testing.assert_allclose(full, explicit, rtol=1e-12, atol=1e-14)
+  assert np.linalg.eigvalsh(np.asarray(full)).min() > -1e-12
+  lam = damping / (c_e + c_o)
+  damped = 0.0
+  for c, fv, fd in ((c_e, a, gg), (c_o, r, xx)):
+    pi = np.sqrt(fv.mean() / (np.trace(fd) / fd.shape[0]))
+    damped = damped + c * np.kron(np.diag(fv + pi * np.sqrt(lam)),
+                                  fd + np.sqrt(lam) / pi * np.eye(3))
+  vec = np.asarray(v[0]).reshape(-1)
+  np.testing.assert_allclose(np.asarray(m[0]).reshape(-1), damped @ vec,
+                             rtol=1e-10)
+  np.testing.assert_allclose(np.asarray(mi[0]).reshape(-1),
+                             np.linalg.solve(damped, vec), rtol=1e-8)
+
+
+def test_tied_embedding_50k_vocab_never_allocates_vocab_squared():
+  vocab, dim = 50_000, 8
+  layer = h.make_layer("tied_embedding", "kron_sum", [(vocab, dim)],
+                       num_uses=4, dtype="float32")
+  table = jnp.zeros((vocab, dim), jnp.float32)
+  data = h.layer_data(
+      [(jnp.zeros((4, 1, 2), jnp.int32),), (jnp.zeros((4, 1, 2, dim)),)],
+      [jnp.zeros((1, 4, 1, 2, dim)), jnp.zeros((1, 4, 1, 2, vocab))],
+      (table,))
+  block = h.make_block(layer, compute_cholesky=True)
+
+  def step(table):
+    state = block.update_curvature(block.init(), block.compute_stats(data),
+                                   0.9)
+    state = block.update_cache(state, 1e-3)
+    return state, (block.multiply_inverse(state, (table,)),
+                   block.multiply(state, (table,)),
+                   block.multiply_cholesky(state, (table,), True),
+                   block.multiply_cholesky_inverse(state, (table,)))
+
+  jaxpr = jax.make_jaxpr(step)(table)
+  biggest = max(h.aval_size(a) for a in h.all_avals(jaxpr.jaxpr))
+  assert biggest == vocab * dim, biggest  # = the [S, B, t, vocab] grads
+  with pytest.raises(ValueError, match="'kron_sum' supports exps -1 and 1"):
+    h.make_block(layer, exps=(-1, -0.5)).multiply_matpower(
+        block.init(), (table,), -0.5)
+  with pytest.raises(ValueError, match="damping_type='pi' only"):
+    h.make_block(layer, damping_type="exact")
+
+
+# ---------------------------------------------------------------------------
 # Reduced precision.
 # ---------------------------------------------------------------------------
 
