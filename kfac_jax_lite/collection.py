@@ -32,6 +32,8 @@ APPROXIMATIONS: Mapping[str, tuple] = {
     "separable_conv_multi": ("kron", "diagonal"),
     "embedding": ("kron",),
     "embedding_multi": ("kron_indep",),
+    "tied_embedding": ("kron_sum",),
+    "tied_embedding_multi": ("kron_sum",),
     "scale_and_shift": ("full", "diagonal"),
     "scale_and_shift_multi": ("full", "diagonal"),
     "generic": ("diagonal", "full"),
@@ -49,7 +51,9 @@ class Layer:
   Attributes:
     name: a readable unique name (derived from the parameter paths).
     kind: ``fully_connected``, ``conv``, ``depthwise_conv``,
-      ``separable_conv``, ``embedding``, ``scale_and_shift`` or ``generic``.
+      ``separable_conv``, ``embedding``, ``tied_embedding`` (a table both
+      looked up and used as ``x @ table.T``), ``scale_and_shift`` or
+      ``generic``.
     approx: the resolved approximation string.
     param_paths: ``jax.tree_util.keystr`` of each parameter leaf, in the
       tag's operand order (e.g. kernel then bias).

@@ -154,6 +154,55 @@ def depthwise(key, approx="diagonal", mult=2, data_format="NHWC"):
   return layer, h.layer_data([(x,)], [g], params), params, fn
 
 
+# Depthwise convs as lax/flax write them: feature_group_count = C, kernel in
+# the rhs layout with in-features 1 and out-features C·M (output o = c·M + m).
+DEPTHWISE_LAX = {
+    "nwc_1d": dict(x=(B, 7, 3), w=(3, 1, 6), window_strides=(2,),
+                   padding=((1, 1),), dimension_numbers=("NWC", "WIO", "NWC")),
+    "nhwc_2d": dict(x=(B, 5, 4, 2), w=(2, 3, 1, 4), window_strides=(1, 2),
+                    padding="SAME", rhs_dilation=(2, 1),
+                    dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    "nchw_oihw": dict(x=(B, 2, 5, 4), w=(2, 1, 2, 2), window_strides=(1, 1),
+                      padding="VALID", dimension_numbers=None),
+    "ndhwc_3d": dict(x=(B, 3, 4, 3, 2), w=(2, 2, 1, 1, 4),
+                     window_strides=(1, 1, 1), padding="VALID",
+                     dimension_numbers=("NDHWC", "DHWIO", "NDHWC")),
+}
+
+
+def depthwise_lax_meta(case):
+  """(conv kwargs for lax, the tag metadata the scanner stores)."""
+  meta = DEPTHWISE_LAX[case]
+  kw = {k: v for k, v in meta.items() if k not in ("x", "w")}
+  channels = meta["x"][1 if kw["dimension_numbers"] is None else -1]
+  kw["feature_group_count"] = channels
+  dn = lax.conv_dimension_numbers(meta["x"], meta["w"],
+                                  kw["dimension_numbers"])
+  stored = dict(kw, dimension_numbers=tuple(tuple(d) for d in dn),
+                padding=kw["padding"] if isinstance(kw["padding"], str)
+                else tuple(tuple(p) for p in kw["padding"]),
+                rhs_dilation=kw.get("rhs_dilation"), lhs_dilation=None)
+  return kw, stored
+
+
+def depthwise_lax(key, approx="diagonal", case="nhwc_2d", bias=True):
+  """A recognised depthwise conv (kind ``depthwise_conv``, lax layout)."""
+  kw, stored = depthwise_lax_meta(case)
+  meta = DEPTHWISE_LAX[case]
+  ks = _split(key, 4)
+  w = _normal(ks[0], meta["w"])
+  spec = rhs_spec(meta)
+  c_out = meta["w"][spec.index("O")]
+  params = (w, _normal(ks[1], (c_out,))) if bias else (w,)
+  fn = conv_fn(kw)
+  x = _normal(ks[2], (meta["x"][0], 1) + meta["x"][1:])
+  y_shape = jax.eval_shape(lambda: fn(params, x[:, 0])).shape
+  g = _grads_for(ks[3], y_shape)
+  layer = h.make_layer("depthwise_conv", approx, [p.shape for p in params],
+                       **stored)
+  return layer, h.layer_data([(x,)], [g], params), params, fn
+
+
 def separable(key, approx="kron", bias=True):
   ks = _split(key, 5)
   params = (_normal(ks[0], (2, 2, 2, 2)), _normal(ks[1], (1, 1, 4, 3)))
@@ -188,6 +237,23 @@ def embedding(key, approx="kron", vocab=5, dim=3, k=2, sites=1):
                        num_uses=uses)
   return layer, h.layer_data(inputs, grads, params), params, (
       lambda p, ids: p[0][ids])
+
+
+def tied(key, vocab=5, dim=3, k=2, t=3):
+  """A tied table: ids ``[B, k]`` looked up, ``x: [B, t, dim] @ table.T``.
+
+  Sites in trace order: the lookup (integer ids), then the attend (float x).
+  """
+  ks = _split(key, 5)
+  params = (_normal(ks[0], (vocab, dim)),)
+  ids = jnp.asarray(np.random.default_rng(ks[1]).integers(0, vocab,
+                                                          (B, 1, k)))
+  g = _normal(ks[2], (S, B, 1, k, dim))
+  x = _normal(ks[3], (B, 1, t, dim))
+  delta = _normal(ks[4], (S, B, 1, t, vocab))
+  layer = h.make_layer("tied_embedding", "kron_sum", [params[0].shape],
+                       num_uses=k + t)
+  return layer, h.layer_data([(ids,), (x,)], [g, delta], params), params, None
 
 
 SCALE_SHIFT_SHAPES = {
@@ -261,12 +327,17 @@ CASES = {
     "depthwise_kron": (depthwise, dict(approx="kron"), ALL),
     "depthwise_kron_nchw": (
         depthwise, dict(approx="kron", data_format="NCHW", mult=1), ALL),
+    "depthwise_lax_diagonal": (depthwise_lax, dict(approx="diagonal"), ALL),
+    "depthwise_lax_kron": (depthwise_lax, dict(approx="kron"), ALL),
+    "depthwise_lax_kron_oihw": (
+        depthwise_lax, dict(approx="kron", case="nchw_oihw", bias=False), ALL),
     "separable_kron": (separable, dict(approx="kron"), ALL),
     "separable_diagonal": (separable, dict(approx="diagonal", bias=False),
                            ALL),
     "embedding_kron": (embedding, {}, ALL),
     "embedding_kron_indep": (embedding, dict(approx="kron_indep", sites=2),
                              ALL),
+    "tied_kron_sum": (tied, {}, ("inverse", "cholesky")),
     "scale_and_shift_full": (scale_and_shift, {}, ALL),
     "scale_and_shift_diagonal": (scale_and_shift, dict(approx="diagonal"),
                                  ALL),

@@ -1,12 +1,9 @@
 """Automatic layer recognition (scan(..., auto_register=True)).
 
 Each model test asserts the exact layers (kind, uses, approximation, how
-found, parameter paths) and, where every layer kind has a block in this
-version (fully_connected kron/kron_indep, generic diagonal), that one jitted
-``kfac`` update runs and is finite. For conv, depthwise conv, embedding and
-scale_and_shift layers the blocks are not in this branch yet: those tests
-check the collection (kinds, metadata) and the inputs ``perturbed_fn``
-records for the blocks.
+found, parameter paths), checks what ``perturbed_fn`` records for the
+blocks where the layout matters, and runs one jitted ``kfac`` update whose
+result must be finite.
 """
 
 import time
@@ -22,6 +19,7 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import scanner
 from kfac_jax_lite import tags
+from tests.blocks_helpers import jit
 
 B = 4
 
@@ -62,7 +60,7 @@ def _update(loss_fn, params, batch, collection, has_aux=False):
   state = tx.init(params)
   grads = jax.grad(loss_fn, has_aux=has_aux)(params, batch)
   grads = grads[0] if has_aux else grads
-  step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
+  step = jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
   updates, _ = step(grads, state, params, batch)
   leaves = jax.tree.leaves(updates)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in leaves)
@@ -73,7 +71,7 @@ def _update(loss_fn, params, batch, collection, has_aux=False):
 def _records(collection, params, batch):
   """``{site.key: (site, recorded inputs)}`` from one perturbed evaluation."""
   traced = scanner.perturbed_fn(collection, params, batch)
-  _, (_, records, _) = jax.jit(traced.fn)(params, traced.eps)
+  _, (_, records, _) = jit(traced.fn)(params, traced.eps)
   return {s.key: (s, records[s.key]) for s in traced.sites}
 
 
@@ -81,7 +79,7 @@ def _empirical_state(collection, params, batch, exps=(-1,)):
   """Estimator and state after one empirical-Fisher update (jitted)."""
   est = kl.FisherEstimator(collection, estimation_mode="empirical", exps=exps)
 
-  @jax.jit
+  @jit
   def fn(params, batch):
     state = est.update_curvature(est.init(params), params, batch,
                                  jax.random.PRNGKey(0))
@@ -92,7 +90,7 @@ def _empirical_state(collection, params, batch, exps=(-1,)):
 
 def _empirical_fisher(collection, params, batch):
   est, state = _empirical_state(collection, params, batch)
-  return jax.jit(est.full_fisher)(state)
+  return jit(est.full_fisher)(state)
 
 
 def _x(*shape, seed=0):
@@ -397,12 +395,10 @@ def test_conv1d_depthwise_and_grouped(groups):
   dense = ("fully_connected", 1, "kron", "auto")
   if groups == 1:
     assert _summary(c) == [("conv", 1, "kron", "auto"), dense]
-  elif groups == 4:  # feature_group_count == C_in: depthwise, fallback.
-    assert _summary(c) == [dense] + [("generic", 1, "diagonal",
-                                      "leftover")] * 2
-    assert "depthwise convolution (feature_group_count=4)" in c.describe()
-    _update(loss_fn, params, batch, c)
-    return
+  elif groups == 4:  # feature_group_count == C_in: depthwise.
+    assert _summary(c) == [("depthwise_conv", 1, "diagonal", "auto"), dense]
+    assert c.layers[0].param_shapes == ((3, 1, 8), (8,))
+    assert "fallbacks" not in c.describe()
   else:
     assert _summary(c) == [dense] + [("generic", 1, "diagonal",
                                       "leftover")] * 2
@@ -419,6 +415,45 @@ def test_conv1d_depthwise_and_grouped(groups):
   assert [r.shape for r in rec] == [(B, 7, 4)]
   assert site.y_aval.shape == (B, 7, 8)
   _update(loss_fn, params, batch, c)
+
+
+@pytest.mark.parametrize("approx", ["diagonal", "kron"])
+def test_auto_depthwise_equals_register_depthwise_conv2d(approx):
+  """A lax depthwise conv ([h, w, 1, C·M] kernel, found automatically) has
+  the statistics of register_depthwise_conv2d on the kernel reshaped to
+  [h, w, C, M] (same ravel order, so the Fisher blocks compare directly)."""
+  kh, kw, ch, m = 2, 3, 3, 2
+  conv = dict(window_strides=(2, 1), padding="SAME", rhs_dilation=(1, 2),
+              dimension_numbers=("NHWC", "HWIO", "NHWC"),
+              feature_group_count=ch)
+
+  def make(tagged):
+    def loss_fn(p, batch):
+      x = batch[0]
+      w = p["w"].reshape(kh, kw, 1, ch * m)
+      y = lax.conv_general_dilated(x, w, **conv)
+      if tagged:
+        y = kl.register_depthwise_conv2d(y, x, p["w"], strides=(2, 1),
+                                         padding="SAME", rate=(1, 2),
+                                         approx=approx)
+      return _ce(jnp.mean(y, axis=(1, 2)), batch[1])
+    return loss_fn
+
+  batch = (_x(B, 5, 4, ch), _labels(B, n=ch * m))
+  w = _x(kh, kw, 1, ch * m, seed=1)
+  auto = kl.scan(make(False), {"w": w}, batch, strict=True,
+                 approximations={"depthwise_conv": approx})
+  manual = kl.scan(make(True), {"w": w.reshape(kh, kw, ch, m)}, batch,
+                   strict=True)
+  assert _summary(auto) == [("depthwise_conv", 1, approx, "auto")]
+  assert _summary(manual) == [("depthwise_conv", 1, approx, "tag")]
+  _, s_auto = _empirical_state(auto, {"w": w}, batch)
+  _, s_manual = _empirical_state(manual, {"w": w.reshape(kh, kw, ch, m)},
+                                 batch)
+  assert float(jnp.max(jnp.abs(jax.tree.leaves(s_auto.blocks)[0]))) > 0
+  for a, b in zip(jax.tree.leaves(s_auto.blocks),
+                  jax.tree.leaves(s_manual.blocks), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------
@@ -582,19 +617,23 @@ def test_embed_and_dense():
   np.testing.assert_array_equal(rec_e[0], ids)
   assert emb.y_aval.shape == (B, 3, 4)
   assert rec_d[0].shape == (B, 3, 4)
+  _update(loss_fn, params, batch, c)
 
 
-def test_tied_embedding_is_a_documented_fallback():
+def test_tied_embedding_is_one_multi_use_layer():
+  """Embed + Embed.attend: lookups and x @ table.T make one kron_sum layer."""
   ids = _labels(B, 3, n=11)
   loss_fn, params, batch = _linen(_EmbedNet(tied=True), ids, ids)
-  c = kl.scan(loss_fn, params, batch)
-  assert _summary(c) == [("generic", 1, "diagonal", "leftover")]
-  note = c.layers[0].note
-  assert "recognised as embedding" in note and "Embed.attend" in note
-  assert "Embed.attend" in c.describe()
-  with pytest.raises(ValueError,
-                     match=r"\['Embed_0'\]\['embedding'\].*Embed\.attend"):
-    kl.scan(loss_fn, params, batch, strict=True)
+  c = kl.scan(loss_fn, params, batch, strict=True)
+  # Three lookups and three attend positions per example.
+  assert _summary(c) == [("tied_embedding", 6, "kron_sum", "auto")]
+  assert c.layers[0].param_shapes == ((11, 4),)
+  assert "fallbacks" not in c.describe()
+  (look, rec_l), (att, rec_a) = _records(c, params, batch).values()
+  assert (look.kind, att.kind) == ("embedding", "tied_embedding")
+  np.testing.assert_array_equal(rec_l[0], ids)
+  assert rec_a[0].dtype == jnp.float32 and rec_a[0].shape == (B, 3, 4)
+  assert att.y_aval.shape == (B, 3, 11)
   _update(loss_fn, params, batch, c)
 
 
@@ -800,7 +839,10 @@ def test_transposed_kernel_and_parameter_products_fall_back():
   c = kl.scan(loss_fn, params, batch)
   assert _summary(c) == [("generic", 1, "diagonal", "leftover")] * 3
   text = c.describe()
+  # x @ w.T is the output projection of a tied embedding only when the
+  # table is also looked up.
   assert "contracts the parameter on its last axis" in text
+  assert "not also looked up by ids" in text
   assert "a product of two parameters is not a layer" in text
 
 

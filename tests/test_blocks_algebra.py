@@ -23,8 +23,9 @@ pytestmark = pytest.mark.usefixtures("x64")  # float64 factors
 NAMES = ["conv_diagonal", "conv_kron_oihw", "conv_sua", "conv_sua_nobias_oihw",
          "dense_diagonal", "dense_full", "dense_kron_both_diag",
          "dense_kron_uses", "depthwise_diagonal", "depthwise_kron",
-         "embedding_kron", "generic_full", "scale_and_shift_full",
-         "separable_kron", "series_1", "series_2"]
+         "depthwise_lax_diagonal", "depthwise_lax_kron", "embedding_kron",
+         "generic_full", "scale_and_shift_full", "separable_kron", "series_1",
+         "series_2", "tied_kron_sum"]
 KRONECKER_LIKE = ["conv_kron_oihw", "conv_sua", "conv_sua_nobias_oihw",
                   "dense_kron_both_diag", "dense_kron_uses", "depthwise_kron",
                   "embedding_kron", "separable_kron"]

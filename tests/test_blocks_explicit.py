@@ -54,7 +54,9 @@ PER_EXAMPLE = [
     ("scale_and_shift_diagonal", cases.scale_and_shift,
      dict(approx="diagonal")),
 ] + [(f"scale_and_shift_full_{c}", cases.scale_and_shift,
-      dict(approx="full", case=c)) for c in cases.SCALE_SHIFT_SHAPES]
+      dict(approx="full", case=c)) for c in cases.SCALE_SHIFT_SHAPES] + [
+          (f"depthwise_lax_diagonal_{c}", cases.depthwise_lax,
+           dict(approx="diagonal", case=c)) for c in cases.DEPTHWISE_LAX]
 
 
 @pytest.mark.parametrize("name,builder,kwargs", PER_EXAMPLE,
@@ -213,6 +215,62 @@ def test_depthwise_kron_is_restricted_dense_kfc(data_format, mult):
                              atol=1e-12 * np.abs(explicit).max())
 
 
+def _lax_dense_filter(w, spec, c):
+  """Lax depthwise kernel (``I = 1``, ``O = C·M``) -> dense ``I = C`` filter."""
+  i_ax, o_ax = spec.index("I"), spec.index("O")
+  m = w.shape[o_ax] // c
+  w = jnp.moveaxis(w, (i_ax, o_ax), (-2, -1))     # [..., 1, C·M]
+  ci = np.repeat(np.arange(c), m)                 # input channel of output o
+  dense = jnp.where(jnp.arange(c)[:, None] == ci[None, :], w, 0.0)
+  return jnp.moveaxis(dense, (-2, -1), (i_ax, o_ax))
+
+
+@pytest.mark.parametrize("case,bias", [("nwc_1d", True), ("nchw_oihw", True),
+                                       ("ndhwc_3d", False)])
+def test_depthwise_lax_kron_is_restricted_dense_kfc(case, bias):
+  """The flax/lax kernel layout: same restriction of the dense-equivalent KFC.
+
+  Entry ``(k, c, m)`` of the depthwise kernel is entry ``(k, c)`` x ``c·M + m``
+  of the dense filter; the bias ``c·M + m`` is its bias column ``c·M + m``.
+  """
+  layer, data, params, fn = cases.depthwise_lax(11, "kron", case, bias)
+  meta = cases.DEPTHWISE_LAX[case]
+  kw, _ = cases.depthwise_lax_meta(case)
+  c = kw["feature_group_count"]
+  spec = cases.rhs_spec(meta)
+  w = params[0]
+  dense_w = _lax_dense_filter(w, spec, c)
+  dense_meta = dict(meta, w=dense_w.shape)
+  dense_fn = cases.conv_fn(dense_meta)
+  x = data.inputs[0][0][:, 0]
+  np.testing.assert_allclose(fn(params, x),
+                             dense_fn((dense_w,) + params[1:], x),
+                             rtol=1e-12, atol=1e-12)
+  cst, omega, gamma, _ = _kfc_explicit(dense_meta, data,
+                                       (dense_w,) + params[1:], bias)
+  dense = cst * np.kron(omega, gamma)       # kernel-matrix order
+  # Matrix position (row (k, ci) or the bias row, column o) of every
+  # depthwise parameter, in ravel order of (w[, b]).
+  o_total = w.shape[spec.index("O")]
+  m = o_total // c
+  sp = [i for i, ch in enumerate(spec) if ch not in "IO"]
+  k_idx = np.ravel_multi_index(
+      np.indices(w.shape)[sp], [w.shape[i] for i in sp])
+  o_idx = np.indices(w.shape)[spec.index("O")]
+  rows = (k_idx * c + o_idx // m).reshape(-1)
+  cols = o_idx.reshape(-1)
+  chan = cols // m
+  if bias:
+    rows = np.append(rows, np.full(o_total, omega.shape[0] - 1))
+    cols = np.append(cols, np.arange(o_total))
+    chan = np.append(chan, np.arange(o_total) // m)
+  idx = rows * o_total + cols
+  explicit = dense[idx][:, idx] * (chan[:, None] == chan[None, :])
+  full = _full(h.make_block(layer), data)
+  np.testing.assert_allclose(full, explicit, rtol=1e-10,
+                             atol=1e-12 * np.abs(explicit).max())
+
+
 def test_separable_is_depthwise_diagonal_plus_pointwise_kfc():
   layer, data, params, fn = cases.separable(8, "kron", bias=True)
   x = data.inputs[0][0]
@@ -297,6 +355,90 @@ def test_embedding_50k_vocab_never_allocates_vocab_squared():
     assert biggest == vocab * dim, (config, biggest)
     state, out = jax.eval_shape(step, table)
     assert max(x.size for x in jax.tree.leaves(state)) == vocab  # diag(A)
+
+
+# ---------------------------------------------------------------------------
+# Tied embeddings.
+# ---------------------------------------------------------------------------
+
+
+def _tied_terms(data, vocab):
+  """Hand-computed ``(c_e, a, G, c_o, r, X)`` of a tied table (numpy)."""
+  ids = np.asarray(data.inputs[0][0]).reshape(-1)
+  g = np.asarray(data.grads[0]).reshape(data.grads[0].shape[0], -1,
+                                        data.grads[0].shape[-1])
+  x = np.asarray(data.inputs[1][0]).reshape(-1, g.shape[-1])
+  delta = np.asarray(data.grads[1]).reshape(g.shape[0], -1, vocab)
+  n_e, n_o, b = ids.size, x.shape[0], data.batch_size
+  onehot = np.eye(vocab)[ids]
+  a = np.diag(onehot.T @ onehot) / n_e           # lookup frequencies
+  gg = sum(gs.T @ gs for gs in g) / n_e
+  r = sum((ds ** 2).sum(0) for ds in delta) / n_o
+  xx = x.T @ x / n_o
+  return n_e / b, a, gg, n_o / b, r, xx
+
+
+def test_tied_embedding_statistics_by_hand():
+  """``c_e diag(a) ⊗ G + c_o diag(r) ⊗ X`` on a tiny vocab; the damped block
+  is the sum of the two pi-damped terms with λ' = λ / (c_e + c_o)."""
+  vocab, damping = 5, 0.1
+  layer, data, params, _ = cases.tied(12, vocab=vocab, dim=3, k=2, t=3)
+  block = h.make_block(layer)
+  c_e, a, gg, c_o, r, xx = _tied_terms(data, vocab)
+  assert (c_e, c_o) == (2, 3)
+  explicit = c_e * np.kron(np.diag(a), gg) + c_o * np.kron(np.diag(r), xx)
+  v = h.random_like(2, params)
+
+  @h.jit
+  def run(v):
+    state = h.fit(block, data, damping)
+    return (block.full_fisher_block(state), block.multiply(state, v),
+            block.multiply_inverse(state, v))
+
+  full, m, mi = run(v)
+  np.testing.assert_allclose(full, explicit, rtol=1e-12, atol=1e-14)
+  assert np.linalg.eigvalsh(np.asarray(full)).min() > -1e-12
+  lam = damping / (c_e + c_o)
+  damped = 0.0
+  for c, fv, fd in ((c_e, a, gg), (c_o, r, xx)):
+    pi = np.sqrt(fv.mean() / (np.trace(fd) / fd.shape[0]))
+    damped = damped + c * np.kron(np.diag(fv + pi * np.sqrt(lam)),
+                                  fd + np.sqrt(lam) / pi * np.eye(3))
+  vec = np.asarray(v[0]).reshape(-1)
+  np.testing.assert_allclose(np.asarray(m[0]).reshape(-1), damped @ vec,
+                             rtol=1e-10)
+  np.testing.assert_allclose(np.asarray(mi[0]).reshape(-1),
+                             np.linalg.solve(damped, vec), rtol=1e-8)
+
+
+def test_tied_embedding_50k_vocab_never_allocates_vocab_squared():
+  vocab, dim = 50_000, 8
+  layer = h.make_layer("tied_embedding", "kron_sum", [(vocab, dim)],
+                       num_uses=4, dtype="float32")
+  table = jnp.zeros((vocab, dim), jnp.float32)
+  data = h.layer_data(
+      [(jnp.zeros((4, 1, 2), jnp.int32),), (jnp.zeros((4, 1, 2, dim)),)],
+      [jnp.zeros((1, 4, 1, 2, dim)), jnp.zeros((1, 4, 1, 2, vocab))],
+      (table,))
+  block = h.make_block(layer, compute_cholesky=True)
+
+  def step(table):
+    state = block.update_curvature(block.init(), block.compute_stats(data),
+                                   0.9)
+    state = block.update_cache(state, 1e-3)
+    return state, (block.multiply_inverse(state, (table,)),
+                   block.multiply(state, (table,)),
+                   block.multiply_cholesky(state, (table,), True),
+                   block.multiply_cholesky_inverse(state, (table,)))
+
+  jaxpr = jax.make_jaxpr(step)(table)
+  biggest = max(h.aval_size(a) for a in h.all_avals(jaxpr.jaxpr))
+  assert biggest == vocab * dim, biggest  # = the [S, B, t, vocab] grads
+  with pytest.raises(ValueError, match="'kron_sum' supports exps -1 and 1"):
+    h.make_block(layer, exps=(-1, -0.5)).multiply_matpower(
+        block.init(), (table,), -0.5)
+  with pytest.raises(ValueError, match="damping_type='pi' only"):
+    h.make_block(layer, damping_type="exact")
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ kind                   approximations (module)
 ``depthwise_conv``     ``diagonal``, ``kron`` (depthwise)
 ``separable_conv``     ``kron``, ``diagonal`` (depthwise)
 ``embedding``          ``kron``, ``kron_indep`` (embedding)
+``tied_embedding``     ``kron_sum`` (tied)
 ``scale_and_shift``    ``full``, ``diagonal`` (scale_and_shift)
 ``generic``            ``diagonal`` (diagonal), ``full`` (full)
 =====================  ===================================================
@@ -43,6 +44,7 @@ from kfac_jax_lite.blocks import multi_use
 from kfac_jax_lite.blocks import scale_and_shift
 from kfac_jax_lite.blocks import stacked
 from kfac_jax_lite.blocks import sua
+from kfac_jax_lite.blocks import tied
 from kfac_jax_lite.blocks.base import BlockConfig, LayerData
 from kfac_jax_lite.collection import Layer
 
@@ -69,6 +71,7 @@ _FACTORIES = {
     ("separable_conv", "diagonal"): depthwise.separable_block,
     ("embedding", "kron"): embedding.embedding_block,
     ("embedding", "kron_indep"): embedding.embedding_block,
+    ("tied_embedding", "kron_sum"): tied.tied_embedding_block,
     ("scale_and_shift", "full"): scale_and_shift.scale_and_shift_full_block,
     ("scale_and_shift", "diagonal"):
         scale_and_shift.scale_and_shift_diagonal_block,
@@ -82,13 +85,16 @@ def inner_uses(kind: str, input_shapes: tuple) -> int:
 
   A dense layer applied to ``x: [B, T, ..., d_in]`` is used ``T·...`` times
   per example (each position is one use of the weights); so is an
-  embedding looking up ``ids: [B, k, ...]``. Conv locations are not uses
-  (KFC counts them in the block's scale), nor are the broadcast positions
-  of a scale-and-shift layer (its per-example gradient sums over them).
+  embedding looking up ``ids: [B, k, ...]``, and the output projection of a
+  tied embedding (``tied_embedding`` sites) applied to ``[B, T, ..., d]``.
+  Conv locations are not uses (KFC counts them in the block's scale), nor
+  are the broadcast positions of a scale-and-shift layer (its per-example
+  gradient sums over them).
   """
   if not input_shapes:
     return 1
-  if kind == "fully_connected" and len(input_shapes[0]) > 2:
+  if kind in ("fully_connected", "tied_embedding") and len(
+      input_shapes[0]) > 2:
     return int(math.prod(input_shapes[0][1:-1]))
   if kind == "embedding" and len(input_shapes[0]) > 1:
     return int(math.prod(input_shapes[0][1:]))

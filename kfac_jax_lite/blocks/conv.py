@@ -153,7 +153,8 @@ class ConvGeometry:
                             for g in data.grads], axis=2)
 
 
-def _dimension_numbers(dn, kernel_shape):
+def conv_dimension_numbers(dn, kernel_shape) -> lax.ConvDimensionNumbers:
+  """``dimension_numbers`` as stored in tag metadata -> the lax form."""
   n = len(kernel_shape)
   if dn is not None and len(dn) == 3 and not isinstance(dn[0], str):
     return lax.ConvDimensionNumbers(*(tuple(int(i) for i in d) for d in dn))
@@ -188,7 +189,7 @@ def conv_geometry(layer: Layer, kernel_shape=None, **overrides) -> ConvGeometry:
         f"Layer {layer.name!r}: window_strides={strides} has {len(strides)} "
         f"entries but the kernel {kernel_shape} has {n} spatial axes. Give "
         "one stride per spatial axis.")
-  dn = _dimension_numbers(meta.get("dimension_numbers"), kernel_shape)
+  dn = conv_dimension_numbers(meta.get("dimension_numbers"), kernel_shape)
   if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
     raise ValueError(
         f"Layer {layer.name!r}: dimension_numbers={tuple(dn)} put the batch "

@@ -1,27 +1,46 @@
-"""Depthwise and separable 2-D convolution blocks.
+"""Depthwise and separable convolution blocks (1-, 2-, 3-D).
 
-A depthwise conv with kernel ``w: [h, w, C, M]`` is the dense conv whose
-``[h, w, C, C·M]`` filter :math:`\\tilde W` is zero off the channel
-diagonal, :math:`\\tilde W[:, :, c, cM + m] = w[:, :, c, m]` (TF K-FAC
-``depthwise_conv2d_filter_to_conv2d_filter``). Its parameters are a linear
-subspace of the dense filter's, so its Fisher block is the restriction
-:math:`R F_{dense} R^T` of the dense-equivalent one.
+A depthwise conv with ``C`` input channels and channel multiplier ``M`` is
+the dense conv whose ``[*spatial, C, C·M]`` filter :math:`\\tilde W` is zero
+off the channel diagonal, :math:`\\tilde W[\\ldots, c, cM + m] = w[\\ldots, c,
+m]` (TF K-FAC ``depthwise_conv2d_filter_to_conv2d_filter``). Its parameters
+are a linear subspace of the dense filter's, so its Fisher block is the
+restriction :math:`R F_{dense} R^T` of the dense-equivalent one.
+
+Two kernel layouts reach these blocks; :class:`DepthwiseLayout` maps both to
+a canonical ``[K, C, M]`` array (``K`` the spatial window, flattened in the
+kernel's spatial order) and back:
+
+* ``register_depthwise_conv2d``: ``w: [h, w, C, M]`` with a ``data_format``
+  (``NHWC``/``NCHW``); canonical is a reshape;
+* a recognised ``lax.conv_general_dilated`` with ``feature_group_count ==
+  C`` (flax ``nn.Conv(..., feature_group_count=C)``): the kernel is in its
+  ``dimension_numbers``' rhs layout with in-features 1 and out-features
+  ``C·M`` (``[*spatial, 1, C·M]`` for flax), output channel ``o = cM + m``;
+  canonical is the transpose to ``[*spatial, 1, C·M]`` and a reshape.
+  Strides, padding, dilations and dimension numbers are the matched conv's,
+  and an optional bias ``[C·M]`` is one more input row per channel.
 
 * ``diagonal``: the exact diagonal of the per-example Fisher,
-  :math:`\\nabla_{s,b} w[p, c, m] = \\sum_t x_{b,t}[p, c]\\, g_{s,b,t}[cM+m]`
-  (the dense-equivalent diagonal restricted to the depthwise entries).
+  :math:`\\nabla_{s,b} w[k, c, m] = \\sum_t x_{b,t}[k, c]\\, g_{s,b,t}[cM+m]`
+  and :math:`\\nabla_{s,b} b[cM+m] = \\sum_t g_{s,b,t}[cM+m]` (the
+  dense-equivalent diagonal restricted to the depthwise entries).
 * ``kron``: the KFC block :math:`c\\,\\Omega \\otimes \\Gamma` of the
   dense-equivalent conv (Grosse & Martens 2016, eq. 23), restricted to the
   depthwise entries and to its channel-diagonal blocks. Restricted to the
   entries of channel ``c`` it is exactly :math:`c\\,\\Omega_{cc} \\otimes
-  \\Gamma_{cc}` with :math:`\\Omega_{cc}` the ``[hw, hw]`` patch moment of
-  channel ``c`` and :math:`\\Gamma_{cc}` the ``[M, M]`` block of its
-  outputs, so the block is a stack of ``C`` small Kronecker blocks. Unlike
-  TF K-FAC, which applies the dense-equivalent ``(Ω ⊗ Γ)^{-1}`` and keeps
-  the depthwise entries (not the inverse of the restricted block), products,
-  inverses and square roots here are mutually consistent. The
-  cross-channel blocks :math:`\\Omega_{cc'} \\otimes \\Gamma_{cc'}` are
-  dropped, as a Kronecker factorisation drops cross-layer blocks.
+  \\Gamma_{cc}` with :math:`\\Omega_{cc}` the ``[K, K]`` patch moment of
+  channel ``c`` (``[K+1, K+1]`` with the homogeneous coordinate of a bias)
+  and :math:`\\Gamma_{cc}` the ``[M, M]`` block of its outputs, so the block
+  is a stack of ``C`` small Kronecker blocks. Unlike TF K-FAC, which applies
+  the dense-equivalent ``(Ω ⊗ Γ)^{-1}`` and keeps the depthwise entries (not
+  the inverse of the restricted block), products, inverses and square roots
+  here are mutually consistent. The cross-channel blocks
+  :math:`\\Omega_{cc'} \\otimes \\Gamma_{cc'}` are dropped, as a Kronecker
+  factorisation drops cross-layer blocks.
+
+Grouped convolutions with ``1 < feature_group_count < C`` have no block (the
+scanner falls back to a generic layer and says so).
 
 A separable conv (``register_separable_conv2d``) is a depthwise conv
 followed by a 1x1 pointwise conv on its output ``depthwise_y``; its block is
@@ -34,6 +53,7 @@ block of a 1x1 conv on ``depthwise_y``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -57,40 +77,125 @@ def _data_format(layer: Layer) -> str:
   return fmt
 
 
-def depthwise_geometry(layer: Layer, kernel_shape) -> conv.ConvGeometry:
-  """Geometry of the dense-equivalent conv of a ``[h, w, C, M]`` kernel."""
-  if len(kernel_shape) != 4:
+@dataclasses.dataclass(frozen=True)
+class DepthwiseLayout:
+  """A depthwise kernel (and bias) <-> canonical ``[K, C, M]`` (and ``[C, M]``).
+
+  Attributes:
+    geometry: the dense-equivalent conv (``C`` -> ``C·M``, no groups).
+    kernel_shape: the stored kernel's shape.
+    perm: stored kernel axes in the order ``(*spatial, a, b)`` where the
+      transposed kernel ``[*spatial, a, b]`` reshapes row-major to
+      ``[*spatial, C, M]`` (``(C, M)`` for ``[h, w, C, M]``, ``(1, C·M)``
+      for the lax layout).
+    multiplier: ``M``.
+    has_bias: a ``[C·M]`` bias follows the kernel.
+  """
+  geometry: conv.ConvGeometry
+  kernel_shape: tuple
+  perm: tuple
+  multiplier: int
+  has_bias: bool
+
+  @property
+  def channels(self) -> int:
+    return self.geometry.c_in
+
+  @property
+  def window(self) -> int:
+    return self.geometry.window
+
+  def canonical(self, w):
+    """Kernel (stored layout, jnp or np) -> ``[K, C, M]``."""
+    return w.transpose(self.perm).reshape(
+        self.window, self.channels, self.multiplier)
+
+  def stored(self, m):
+    """``[*lead, K, C, M]`` -> ``[*lead, *kernel_shape]``."""
+    lead = m.shape[:-3]
+    t_shape = tuple(self.kernel_shape[i] for i in self.perm)
+    m = m.reshape(lead + t_shape)
+    n = len(lead)
+    inv = tuple(int(i) for i in np.argsort(self.perm))
+    return m.transpose(tuple(range(n)) + tuple(n + i for i in inv))
+
+  def channel_index(self) -> np.ndarray:
+    """``[C, (K (+1))·M]``: ravel position of each per-channel matrix entry."""
+    n = int(math.prod(self.kernel_shape))
+    idx = self.canonical(np.arange(n).reshape(self.kernel_shape))
+    idx = idx.transpose(1, 0, 2)                      # [C, K, M]
+    if self.has_bias:
+      bias = n + np.arange(self.channels * self.multiplier)
+      idx = np.concatenate(
+          [idx, bias.reshape(self.channels, 1, self.multiplier)], axis=1)
+    return idx.reshape(self.channels, -1)
+
+
+def depthwise_layout(layer: Layer, kernel_shape=None,
+                     has_bias=None) -> DepthwiseLayout:
+  """The :class:`DepthwiseLayout` of a depthwise layer from its metadata.
+
+  A ``feature_group_count`` in the metadata (a recognised
+  ``conv_general_dilated``) means the lax kernel layout; otherwise the
+  kernel is ``register_depthwise_conv2d``'s ``[h, w, C, M]``.
+
+  Raises:
+    ValueError: for a kernel whose shape does not fit its layout (e.g. a
+      grouped conv with ``1 < feature_group_count < C``).
+  """
+  shape = tuple(kernel_shape or layer.param_shapes[0])
+  if has_bias is None:
+    has_bias = len(layer.param_shapes) == 2
+  meta = layer.meta_dict
+  if "feature_group_count" not in meta:
+    if len(shape) != 4:
+      raise ValueError(
+          f"Layer {layer.name!r}: depthwise kernel shape {shape}; expected "
+          "[h, w, C, M]. Register other convolutions with register_conv(...).")
+    h, w, c, m = shape
+    fmt = _data_format(layer)
+    geo = conv.conv_geometry(
+        layer, kernel_shape=(h, w, c, c * m), feature_group_count=1,
+        dimension_numbers=(fmt, "HWIO", fmt))
+    return DepthwiseLayout(geo, shape, (0, 1, 2, 3), m, has_bias)
+  c = int(meta["feature_group_count"])
+  dn = conv.conv_dimension_numbers(meta.get("dimension_numbers"), shape)
+  i_axis, o_axis = dn.rhs_spec[1], dn.rhs_spec[0]
+  if shape[i_axis] != 1 or shape[o_axis] % c:
     raise ValueError(
-        f"Layer {layer.name!r}: depthwise kernel shape {kernel_shape}; "
-        "expected [h, w, C, M]. Register other convolutions with "
-        "register_conv(...).")
-  h, w, c, m = kernel_shape
-  fmt = _data_format(layer)
-  return conv.conv_geometry(
-      layer, kernel_shape=(h, w, c, c * m), feature_group_count=1,
-      dimension_numbers=(fmt, "HWIO", fmt))
+        f"Layer {layer.name!r}: kernel shape {shape} with feature_group_count"
+        f"={c} is not a depthwise kernel (in-features 1, out-features a "
+        f"multiple of {c}); grouped convolutions with 1 < groups < C have no "
+        "block. Register it with register_generic(...).")
+  dense_shape = tuple(c if a == i_axis else n for a, n in enumerate(shape))
+  geo = conv.conv_geometry(layer, kernel_shape=dense_shape,
+                           feature_group_count=1, dimension_numbers=dn)
+  return DepthwiseLayout(geo, shape, geo.perm, shape[o_axis] // c, has_bias)
 
 
 @dataclasses.dataclass(frozen=True)
 class DepthwiseGrads:
-  """Per-example depthwise gradients ``Σ_t x_t[p, c] g_t[c, m]``."""
-  geometry: conv.ConvGeometry
-  multiplier: int
+  """Per-example depthwise gradients ``Σ_t x_t[k, c] g_t[c, m]`` (+ bias)."""
+  layout: DepthwiseLayout
   needs_param_grads = False
 
   def rows(self, data: base.LayerData):
-    """Patches ``[B, R, hw, C]`` and gradients ``[S, B, R, C, M]``."""
-    geo = self.geometry
+    """Patches ``[B, R, K, C]`` and gradients ``[S, B, R, C, M]``."""
+    lay = self.layout
+    geo = lay.geometry
     x = geo.site_patches(data, False)
     x = x.reshape(x.shape[:2] + (geo.window, geo.c_in))
     g = geo.site_grads(data)
-    return x, g.reshape(g.shape[:3] + (geo.c_in, self.multiplier))
+    return x, g.reshape(g.shape[:3] + (geo.c_in, lay.multiplier))
 
   def per_example(self, data: base.LayerData) -> tuple:
     x, g = self.rows(data)
     grad = per_example.fold_sources(jnp.einsum("brkc,sbrcm->sbkcm", x, g))
-    h, w = self.geometry.spatial_shape
-    return (grad.reshape(grad.shape[:1] + (h, w) + grad.shape[2:]),)
+    out = (self.layout.stored(grad),)
+    if self.layout.has_bias:
+      bias = per_example.fold_sources(jnp.sum(g, axis=2))
+      out += (bias.reshape(bias.shape[0], -1),)
+    return out
 
   def sum_squares(self, data: base.LayerData) -> tuple:
     return per_example.squares_of(self.per_example(data))
@@ -101,7 +206,7 @@ class DepthwiseKronBlock(base.Block):
   """``C`` independent Kronecker blocks ``c Ω_cc ⊗ Γ_cc`` (module docstring).
 
   The state is a :class:`~.kronecker.KroneckerState` with a leading channel
-  axis; ``inner`` (a :class:`~.kronecker.KroneckerBlock` on ``[hw, M]``
+  axis; ``inner`` (a :class:`~.kronecker.KroneckerBlock` on ``[K(+1), M]``
   matrices) is ``vmap``-ped over it.
   """
   layer: Layer
@@ -111,22 +216,25 @@ class DepthwiseKronBlock(base.Block):
   needs_param_grads = False
 
   @property
-  def _channels(self) -> int:
-    return self.source.geometry.c_in
+  def _layout(self) -> DepthwiseLayout:
+    return self.source.layout
 
   def init(self):
-    c = self._channels
+    c = self._layout.channels
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (c,) + x.shape),
                         self.inner.init())
 
   def compute_stats(self, data: base.LayerData) -> dict:
     x, g = self.source.rows(data)
+    if self._layout.has_bias:
+      x = jnp.concatenate([x, jnp.ones(x.shape[:2] + (1,) + x.shape[3:],
+                                       x.dtype)], axis=2)
     n = x.shape[0] * x.shape[1]
     r = base.rows_per_example(n, data.batch_size, "depthwise conv layer")
     a = jnp.einsum("brkc,brlc->ckl", x, x) / n
     g = jnp.einsum("sbrcm,sbrcn->cmn", g, g) / n
     sym = lambda m: 0.5 * (m + jnp.swapaxes(m, 1, 2))  # noqa: E731
-    scale = jnp.full((self._channels,), r, linalg.factor_dtype())
+    scale = jnp.full((self._layout.channels,), r, linalg.factor_dtype())
     return {"a": sym(a), "g": sym(g), "scale": scale}
 
   def update_curvature(self, state, stats, ema_decay):
@@ -139,11 +247,18 @@ class DepthwiseKronBlock(base.Block):
     return jax.vmap(self.inner.update_cache, (0, None))(state, damping)
 
   def _per_channel(self, fn, state, v):
-    """Applies ``fn(state_c, (v_c,))`` per channel, ``v_c: [hw, M]``."""
-    h, w, c, m = v[0].shape
-    vc = jnp.moveaxis(v[0].reshape(h * w, c, m), 1, 0)
+    """Applies ``fn(state_c, (v_c,))`` per channel, ``v_c: [K(+1), M]``."""
+    lay = self._layout
+    dt = linalg.factor_dtype()
+    vc = jnp.moveaxis(lay.canonical(v[0].astype(dt)), 1, 0)   # [C, K, M]
+    if lay.has_bias:
+      b = v[1].astype(dt).reshape(lay.channels, 1, lay.multiplier)
+      vc = jnp.concatenate([vc, b], axis=1)
     out = jax.vmap(lambda s, x: fn(s, (x,))[0])(state, vc)
-    return (jnp.moveaxis(out, 0, 1).reshape(v[0].shape),)
+    res = (lay.stored(jnp.moveaxis(out[:, :lay.window], 0, 1)),)
+    if lay.has_bias:
+      res += (out[:, lay.window],)
+    return base.vector_dtype_cast(res, v)
 
   def multiply_matpower(self, state, v, exp):
     exp = base.check_exp(self, exp)
@@ -165,35 +280,40 @@ class DepthwiseKronBlock(base.Block):
         state, v)
 
   def full_fisher_block(self, state):
-    """Block-diagonal over channels, in ravel order of ``[h, w, C, M]``."""
+    """Block-diagonal over channels, in ravel order of the params."""
     blocks = jax.vmap(self.inner.full_fisher_block)(state)
-    c, m = self._channels, self.source.multiplier
-    k = self.source.geometry.window
-    idx = np.arange(k * c * m).reshape(k, c, m).transpose(1, 0, 2)
-    idx = jnp.asarray(idx.reshape(c, k * m))
-    out = jnp.zeros((k * c * m,) * 2, blocks.dtype)
+    idx = self._layout.channel_index()
+    size = idx.size
+    idx = jnp.asarray(idx)
+    out = jnp.zeros((size, size), blocks.dtype)
     return out.at[idx[:, :, None], idx[:, None, :]].set(blocks)
 
 
-def _depthwise_source(layer: Layer) -> DepthwiseGrads:
-  shape = layer.param_shapes[0]
-  return DepthwiseGrads(depthwise_geometry(layer, shape), shape[3])
+def _check_params(layer: Layer):
+  if len(layer.param_shapes) not in (1, 2):
+    raise ValueError(
+        f"Layer {layer.name!r}: depthwise conv parameter shapes "
+        f"{layer.param_shapes}; expected a kernel and an optional bias.")
 
 
 def depthwise_diagonal_block(layer: Layer, config: base.BlockConfig):
   """``diagonal`` block of a depthwise conv."""
-  return diagonal.DiagonalBlock(layer=layer, config=config,
-                                source=_depthwise_source(layer),
-                                param_shapes=layer.param_shapes)
+  _check_params(layer)
+  return diagonal.DiagonalBlock(
+      layer=layer, config=config,
+      source=DepthwiseGrads(depthwise_layout(layer)),
+      param_shapes=layer.param_shapes)
 
 
 def depthwise_kron_block(layer: Layer, config: base.BlockConfig):
   """``kron`` block of a depthwise conv: one Kronecker block per channel."""
-  source = _depthwise_source(layer)
-  layout = kronecker.MatrixLayout(a_dim=source.geometry.window,
-                                  g_dim=source.multiplier,
+  _check_params(layer)
+  source = DepthwiseGrads(depthwise_layout(layer))
+  lay = source.layout
+  matrix = kronecker.MatrixLayout(a_dim=lay.window + int(lay.has_bias),
+                                  g_dim=lay.multiplier,
                                   init_scale=layer.num_uses)
-  inner = kronecker.KroneckerBlock(layer=None, config=config, layout=layout)
+  inner = kronecker.KroneckerBlock(layer=None, config=config, layout=matrix)
   return DepthwiseKronBlock(layer=layer, config=config, source=source,
                             inner=inner)
 

@@ -10,8 +10,10 @@ Two jobs, both on the jaxpr of ``loss_fn(params, batch)``:
    batch. From these it finds layer **sites**: the layer tags, and with
    ``auto_register=True`` the untagged layers of :mod:`flax` and plain-JAX
    code (``dot_general`` dense layers with an optional bias ``add``,
-   ``conv_general_dilated``, ``gather`` / one-hot embeddings, scale-and-shift
-   ``mul``/``add`` chains of normalisation layers). A site perturbs the
+   ``conv_general_dilated`` (depthwise when ``feature_group_count == C``),
+   ``gather`` / one-hot embeddings and their ``x @ table.T`` tied output
+   projections, scale-and-shift ``mul``/``add`` chains of normalisation
+   layers). A site perturbs the
    output of one equation and records the layer inputs that are live at
    that point, laid out as the matching tag's inputs would be.
 
@@ -30,7 +32,8 @@ way its parameters reach the loss):
 * a parameter leaf belongs to an automatic layer only if every use of it
   that reaches a loss tag is a recognised site of that layer; otherwise the
   leaf falls back to a generic block and ``describe()`` says which use was
-  not recognised (e.g. the ``x @ table.T`` of a tied output projection);
+  not recognised (e.g. ``jnp.sin(w)``); the lookups of a table and its
+  ``x @ table.T`` output projections (tied embeddings) are one layer;
 * a site's input must depend on the batch, so that its leading axis is the
   batch axis;
 * manual tags win: an automatic site that touches a tagged leaf is dropped.

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import collection as collection_lib
 from kfac_jax_lite.scanner.facts import Site
+from kfac_jax_lite.scanner.facts import TIED_HINT
+from kfac_jax_lite.scanner.facts import TIED_KINDS
 from kfac_jax_lite.scanner.walk import find_sites
 from kfac_jax_lite.scanner.walk import select
 from kfac_jax_lite.scanner.walk import trace_order
@@ -120,7 +122,12 @@ def _auto_layers(sites, leaf_paths, bad):
                 "companions: " + "; ".join(
                     str([leaf_paths[i] for i in g]) + " at " +
                     ", ".join(s.key for s in groups[g][:3]) for g in others))
-    elif reason is None and len(kinds) > 1:
+    elif reason is None and kinds == ["tied_embedding"]:
+      reason = (f"dot_general contracts the parameter on its last axis at "
+                f"{', '.join(s.key for s in gsites[:3])}: {TIED_HINT}, but "
+                "the table is not also looked up by ids; write x @ w with a "
+                "[d_in, d_out] kernel")
+    elif reason is None and len(kinds) > 1 and kinds != TIED_KINDS:
       reason = f"{what}: a layer must be used as one kind"
     elif reason is None and len({s.stack is None for s in gsites}) > 1:
       reason = f"{what}, both sliced by lax.scan (stacked) and used whole"
@@ -136,7 +143,8 @@ def _auto_layers(sites, leaf_paths, bad):
 
 
 def _make_layer(group, gsites, found_by, leaves, leaf_paths, approximations):
-  kind = gsites[0].kind
+  kinds = sorted({s.kind for s in gsites})
+  kind = "tied_embedding" if kinds == TIED_KINDS else kinds[0]
   approxes = {dict(s.meta).get("approx") for s in gsites} - {None}
   uses = sum(_site_uses(s) for s in gsites)
   paths = tuple(leaf_paths[i] for i in group)
@@ -203,10 +211,15 @@ def scan(loss_fn: Callable, params, batch, *, has_aux: bool = False,
     is one use;
   * conv: ``conv_general_dilated`` (1-, 2-, 3-D), with the metadata
     ``register_conv`` would store; ``feature_group_count == C_in`` is a
-    ``depthwise_conv``;
+    ``depthwise_conv`` (kernel ``[*spatial, 1, C·M]`` in the rhs layout);
   * embedding: a ``gather`` of whole rows of a 2-D table by integer ids
     (``jnp.take``, ``table[ids]``, flax ``Embed``), or a one-hot matrix
     (``jax.nn.one_hot``) times a table;
+  * tied_embedding: such a table also used as a transposed kernel, ``x @
+    table.T`` (flax ``Embed.attend``): one multi-use layer whose lookups are
+    ``embedding`` sites and whose projections are ``tied_embedding`` sites
+    (:mod:`kfac_jax_lite.blocks.tied`). ``x @ w.T`` on a parameter that is
+    not looked up falls back;
   * scale_and_shift: ``x̂ * scale (+ shift)`` where ``scale`` broadcasts
     along the trailing axes (LayerNorm, RMSNorm, BatchNorm); the recorded
     input is the product :math:`\\hat x` of the other factors;
@@ -218,8 +231,8 @@ def scan(loss_fn: Callable, params, batch, *, has_aux: bool = False,
   ``remat``, ``custom_jvp``/``custom_vjp`` and ``cond`` are looked through.
   Parameters left over become ``generic`` layers (one per leaf, naive
   diagonal by default), listed as fallbacks with the reason by
-  ``describe()``; tied weights (an embedding table reused as ``x @
-  table.T``) are one of them, as no block combines embedding and dense uses.
+  ``describe()`` (e.g. grouped convolutions with ``1 < feature_group_count
+  < C_in``).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), the

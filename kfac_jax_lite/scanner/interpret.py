@@ -188,8 +188,8 @@ def _collection_sites(collection, kept):
             "a tagged layer of the LayerCollection; scan() again for this "
             "loss_fn.")
       out.append(s)
-    elif (s.leaves, s.kind) in auto:
-      out.append(s)
+    elif (s.leaves, s.kind) in auto or (s.leaves, "tied_embedding") in auto:
+      out.append(s)   # A tied embedding's lookups are "embedding" sites.
   return tuple(out)
 
 

@@ -15,7 +15,6 @@ from kfac_jax_lite.scanner.facts import Prov
 from kfac_jax_lite.scanner.facts import site_out
 from kfac_jax_lite.scanner.facts import strip
 from kfac_jax_lite.scanner.facts import tail
-from kfac_jax_lite.scanner.facts import TIED_HINT
 
 
 class Matcher:
@@ -127,10 +126,15 @@ class Matcher:
           lambda read, x=x, shape=shape: (read(x).reshape(shape),),
           (aval(shape, x.aval.dtype),), meta, tuple(w.aval.shape[k:]))
     transposed = (p_w.view == "T" and tuple(rc) == (0,)) or (
-        p_w.view == "flat" and len(w.aval.shape) == 2 and tuple(rc) == (1,))
+        p_w.view == "flat" and tuple(w.aval.shape) == base
+        and len(base) == 2 and tuple(rc) == (1,))
     if transposed and trailing:
-      return self._reject(f"dot_general contracts the parameter on its last "
-                          f"axis: {TIED_HINT}")
+      # z = x @ table.T: the output projection of a tied embedding, a layer
+      # only together with a lookup of the same table (see collect.py).
+      return self._start(
+          "tied_embedding", p_w, [p_x], lambda read, x=x: (read(x),),
+          (aval(x.aval.shape, x.aval.dtype),), tags.layer_meta(approx=None),
+          None)
     return self._reject(
         f"dot_general contracts kernel axes {tuple(rc)} with input axes "
         f"{tuple(lc)}; a dense layer contracts the input's trailing axes "
@@ -159,12 +163,9 @@ class Matcher:
     if groups == 1:
       kind = "conv"
     elif groups == c_in:
-      # Recognised, but the depthwise block takes register_depthwise_conv2d's
-      # [h, w, C, M] kernel; lax/flax kernels are [*spatial, 1, C*M].
-      return self._reject(
-          f"depthwise convolution (feature_group_count={groups}) in the "
-          "lax/flax kernel layout has no automatic block yet; tag it with "
-          "register_depthwise_conv2d on the kernel reshaped to [h, w, C, M]")
+      # Depthwise: the kernel is [*spatial, 1, C*M] in the rhs layout; the
+      # depthwise block reads it as [*spatial, C, M] (blocks/depthwise.py).
+      kind = "depthwise_conv"
     else:
       return self._reject(
           f"grouped convolution (feature_group_count={groups}, {c_in} input "
