@@ -16,6 +16,66 @@ import jax
 import jax.numpy as jnp
 
 
+def sequential_under_vmap(fn):
+  """``fn`` (one matrix in, arrays out) whose ``vmap`` is a ``lax.map``.
+
+  jaxlib's CPU LAPACK kernels (Cholesky, triangular solve, eigh) split a
+  batch over XLA's intra-op thread pool and block until it is done. Two such
+  batched calls running at once can take every thread of a small pool and
+  wait on each other forever: on a 2-core machine the inverse refresh of a
+  model with a dozen same-shaped layers hung in about half of the runs
+  (``lapack_spotrf_ffi`` → ``ParallelBatchMap`` → ``BlockingCounter::Wait``
+  in every worker). Mapped one matrix at a time the kernels never wait on
+  the pool; the matrices of one group are then factored in sequence, and
+  the program still holds one kernel per shape, not one per layer.
+  """
+  wrapped = jax.custom_batching.custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    del axis_size
+    if not any(in_batched):
+      out = wrapped(*args)
+      return out, jax.tree.map(lambda _: False, out)
+    batched = [a if b else None for a, b in zip(args, in_batched)]
+    fixed = [None if b else a for a, b in zip(args, in_batched)]
+
+    def one(xs):
+      it = iter(xs)
+      return wrapped(*[f if b is None else next(it)
+                       for f, b in zip(fixed, batched)])
+
+    out = jax.lax.map(one, [a for a in batched if a is not None])
+    return out, jax.tree.map(lambda _: True, out)
+
+  return wrapped
+
+
+@sequential_under_vmap
+def cholesky(m):
+  """Lower Cholesky factor (see :func:`sequential_under_vmap`)."""
+  return jnp.linalg.cholesky(m)
+
+
+@sequential_under_vmap
+def lower_triangular_solve(chol, b):
+  """``L⁻¹ b`` for a lower-triangular ``L`` (see
+  :func:`sequential_under_vmap`)."""
+  return jax.scipy.linalg.solve_triangular(chol, b, lower=True)
+
+
+@sequential_under_vmap
+def eigh(m):
+  """``jnp.linalg.eigh`` (see :func:`sequential_under_vmap`)."""
+  return jnp.linalg.eigh(m)
+
+
+@sequential_under_vmap
+def solve(a, b):
+  """``jnp.linalg.solve`` (LU; see :func:`sequential_under_vmap`)."""
+  return jnp.linalg.solve(a, b)
+
+
 def factor_dtype():
   """float64 when x64 is enabled, else float32 (whatever the params' dtype)."""
   return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
@@ -31,7 +91,7 @@ def safe_eigh(m):
   Returns:
     ``(s, u)`` with ``m ≈ u diag(s) uᵀ`` and ``s >= 0``.
   """
-  s, u = jnp.linalg.eigh(symmetrize(m.astype(factor_dtype())))
+  s, u = eigh(symmetrize(m.astype(factor_dtype())))
   return jnp.maximum(s, 0.0), u
 
 
@@ -85,8 +145,8 @@ def damped_power(m, damping, exp):
   if exp == -1:
     # (L Lᵀ)⁻¹ = L⁻ᵀ L⁻¹: one triangular solve and one matmul. On XLA:CPU
     # this is ~2.5x faster than cho_solve against the identity.
-    chol = jnp.linalg.cholesky(symmetrize(m) + damping * eye)
-    chol_inv = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
+    chol = cholesky(symmetrize(m) + damping * eye)
+    chol_inv = lower_triangular_solve(chol, eye)
     return chol_inv.T @ chol_inv
   s, u = safe_eigh(m)
   return (u * jnp.power(s + damping, exp)[None, :]) @ u.T
@@ -112,7 +172,7 @@ def damped_cholesky(m, damping):
   if m.ndim == 1:
     return jnp.sqrt(jnp.maximum(m, 0.0) + damping)
   eye = jnp.eye(m.shape[0], dtype=m.dtype)
-  return jnp.linalg.cholesky(symmetrize(m) + damping * eye)
+  return cholesky(symmetrize(m) + damping * eye)
 
 
 def lower_triangular_inverse(chol):
@@ -120,7 +180,7 @@ def lower_triangular_inverse(chol):
   if chol.ndim == 1:
     return 1.0 / chol
   eye = jnp.eye(chol.shape[0], dtype=chol.dtype)
-  return jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
+  return lower_triangular_solve(chol, eye)
 
 
 def matmul_left(m, v):

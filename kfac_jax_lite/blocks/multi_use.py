@@ -108,7 +108,7 @@ def _option1_factor(c0, c1, damping, undamped=False):
     isq, sq = _pinv_sqrt_and_sqrt(c0)
   else:
     isq, sq = _inv_sqrt_and_sqrt(c0, damping)
-  psi, u = jnp.linalg.eigh(linalg.symmetrize(isq @ linalg.symmetrize(c1) @ isq))
+  psi, u = linalg.eigh(linalg.symmetrize(isq @ linalg.symmetrize(c1) @ isq))
   return isq @ u, sq @ u, jnp.clip(psi, -1.0, 1.0)
 
 
@@ -116,7 +116,7 @@ def _option2_factor(c0, c1, damping):
   """``(K, Φ, m)`` for one factor (Option 2)."""
   isq, _ = _inv_sqrt_and_sqrt(c0, damping)
   psi = isq @ c1 @ isq
-  m, w = jnp.linalg.eigh(linalg.symmetrize(psi @ psi.T))
+  m, w = linalg.eigh(linalg.symmetrize(psi @ psi.T))
   return isq @ w, c1 @ (isq @ isq), jnp.clip(m, 0.0, 1.0)
 
 
@@ -244,8 +244,8 @@ class SeriesBlock(base.Block):
     v0 = jnp.kron(state.a0, state.g0)
     eye = jnp.eye(v0.shape[0], dtype=v0.dtype)
     inner = v0 - phi @ v0 @ phi.T
-    left = jnp.linalg.solve(eye - phi, inner)
-    return self._t * jnp.linalg.solve(eye - phi, left.T).T
+    left = linalg.solve(eye - phi, inner)
+    return self._t * linalg.solve(eye - phi, left.T).T
 
 
 def series_block(layer: Layer, config: base.BlockConfig) -> SeriesBlock:

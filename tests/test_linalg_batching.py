@@ -1,0 +1,62 @@
+"""LAPACK kernels run one matrix at a time, also under ``vmap``.
+
+jaxlib's batched CPU LAPACK kernels share XLA's thread pool; two of them at
+once deadlocked the inverse refresh of models with same-shaped layers on a
+2-core machine (see ``linalg.sequential_under_vmap``). The refresh of a
+group of same-shaped blocks must therefore lower to unbatched LAPACK calls
+(inside one loop) and still give the per-layer results.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_jax_lite as kl
+from kfac_jax_lite import linalg
+from tests import helpers
+
+
+def _lapack_batch_dims(lowered_text):
+  """``num_batch_dims`` of every LAPACK custom call in a lowered program."""
+  return [int(m) for m in re.findall(
+      r"custom_call @lapack_\w+.*?num_batch_dims = \"(\d+)\"",
+      lowered_text)]
+
+
+@pytest.mark.parametrize("damping_type", ["pi", "exact"])
+def test_grouped_refresh_uses_unbatched_lapack_and_matches(damping_type):
+  sizes = [5, 7, 7, 7, 3]   # three same-shaped 7x7 layers: one group
+  params = helpers.mlp_params(jax.random.PRNGKey(0), sizes)
+  batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, 5, 3)
+  c = kl.scan(helpers.classifier_loss, params, batch)
+  est = kl.FisherEstimator(c, damping=1e-2, damping_type=damping_type)
+  state = est.update_curvature(est.init(params), params, batch,
+                               jax.random.PRNGKey(2))
+  text = jax.jit(est.update_cache).lower(state).as_text()
+  dims = _lapack_batch_dims(text)
+  assert dims, "expected LAPACK calls in the refresh"
+  assert dims == [0] * len(dims), dims
+  grouped = est.update_cache(state)
+  for i, (b, s) in enumerate(zip(est.blocks, state.blocks)):
+    alone = b.update_cache(s, jnp.asarray(1e-2, jnp.float32))
+    helpers.assert_trees_close(grouped.blocks[i].cache, alone.cache,
+                               rtol=1e-5)
+
+
+def test_sequential_under_vmap_maps_batched_and_fixed_arguments():
+  m = jax.random.normal(jax.random.PRNGKey(0), (4, 6, 6))
+  spd = jnp.einsum("bij,bkj->bik", m, m) + 6 * jnp.eye(6)
+  chol = jax.vmap(linalg.cholesky)(spd)
+  np.testing.assert_allclose(chol, jnp.linalg.cholesky(spd), rtol=1e-5,
+                             atol=1e-6)
+  eye = jnp.eye(6)
+  inv = jax.vmap(linalg.lower_triangular_solve, (0, None))(chol, eye)
+  np.testing.assert_allclose(jnp.einsum("bij,bjk->bik", inv, chol),
+                             jnp.broadcast_to(eye, (4, 6, 6)), atol=1e-5)
+  text = jax.jit(jax.vmap(linalg.cholesky)).lower(spd).as_text()
+  assert _lapack_batch_dims(text) == [0]
+  plain = jax.jit(jax.vmap(jnp.linalg.cholesky)).lower(spd).as_text()
+  assert _lapack_batch_dims(plain) == [1]   # what the wrapper avoids
