@@ -288,7 +288,7 @@ def kfac_optimizer(collection: LayerCollection, *,
       grads = lin.gradient()
       if axis_name is not None:
         grads = lax.pmean(grads, axis_name)
-    finite = transform.inputs_finite(grads, stats)
+    finite = transform.inputs_finite(grads, stats, axis_name)
     # Everything runs; a skipped step selects the old values. The curvature
     # state guards itself (gate=): no select or conditional copies it.
     updates, new_state = update_fn(grads, state, params, batch=batch,

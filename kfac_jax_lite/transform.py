@@ -299,7 +299,7 @@ def scale_by_kfac(collection: LayerCollection, *,
     # Non-finite gradients or statistics never reach the factors.
     state = curvature.step(state, params, batch, stats,
                            value_at(damping, count),
-                           gate=inputs_finite(updates, stats))
+                           gate=inputs_finite(updates, stats, axis_name))
     direction = est.multiply_matpower(state.estimator, updates, power)
     if norm_constraint is not None:
       nu = kl_clip_coefficient(direction, updates,
@@ -320,8 +320,8 @@ def _is_curvature(x) -> bool:
   return isinstance(x, CurvatureState)
 
 
-def skip_nonfinite(inner: optax.GradientTransformationExtraArgs
-                   ) -> optax.GradientTransformationExtraArgs:
+def skip_nonfinite(inner: optax.GradientTransformationExtraArgs,
+                   axis_name=None) -> optax.GradientTransformationExtraArgs:
   """Skips steps whose gradients or ``stats=`` are not all finite.
 
   On such a step the update is zero and the inner state (factors, caches,
@@ -333,16 +333,18 @@ def skip_nonfinite(inner: optax.GradientTransformationExtraArgs
 
   The inner update always runs and its results are selected with
   ``jnp.where``. The K-FAC states inside (:class:`CurvatureState`) guard
-  themselves (``scale_by_kfac`` gates its factors and refreshes on the same
-  check), so their large factors and caches are never copied through a
-  select or a conditional.
+  themselves (``scale_by_kfac`` gates its counters, key and refreshes on the
+  same check and folds only finite statistics into its factors), so their
+  large factors and caches are never copied through a select or a
+  conditional. With ``axis_name`` a step is skipped on every replica when
+  any replica's inputs are not finite.
   """
 
   def init_fn(params):
     return SkipNonFiniteState(jnp.zeros((), jnp.int32), inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    finite = inputs_finite(updates, extra_args.get("stats"))
+    finite = inputs_finite(updates, extra_args.get("stats"), axis_name)
     new_updates, new_inner = inner.update(updates, state.inner, params,
                                           **extra_args)
     new_updates = jax.tree.map(
@@ -356,9 +358,18 @@ def skip_nonfinite(inner: optax.GradientTransformationExtraArgs
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def inputs_finite(updates, stats=None) -> jnp.ndarray:
-  """True when the gradients (and ``stats``, if given) are all finite."""
-  return linalg.all_finite([updates] + ([stats] if stats is not None else []))
+def inputs_finite(updates, stats=None, axis_name=None) -> jnp.ndarray:
+  """True when the gradients (and ``stats``, if given) are all finite.
+
+  With ``axis_name``: on every replica of the axis (the replicas' inputs
+  may differ, e.g. statistics under ``stats_sync="before_refresh"``), so
+  every replica takes the same decision and their states never drift.
+  """
+  finite = linalg.all_finite([updates] + ([stats] if stats is not None
+                                          else []))
+  if axis_name is not None:
+    finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+  return finite
 
 
 def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
@@ -416,7 +427,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
                               + tuple(rest.init(params)))
 
   def update_fn(updates, state, params=None, **extra_args):
-    finite = inputs_finite(updates, extra_args.get("stats"))
+    finite = inputs_finite(updates, extra_args.get("stats"),
+                           scale_by_kfac_kwargs.get("axis_name"))
     direction, curvature = precondition.update(updates, state.inner[0],
                                                params, **extra_args)
     rest_state = tuple(state.inner[1:])

@@ -137,3 +137,35 @@ def test_kfac_optimizer_grads_none_is_one_forward_pass(problem):
                 "tanh") == 1
   assert _count(jax.make_jaxpr(two_pass)(params, s0, batches[0]).jaxpr,
                 "tanh") == 2
+
+
+def test_replicas_skip_together(problem):
+  """Under ``stats_sync="before_refresh"`` each replica folds its own
+  statistics; when one replica's are not finite, every replica skips, so
+  the counters (and the schedule) stay identical."""
+  params, batches, c, _ = problem
+  axis = "d"
+  tx = kl.kfac(0.1, c, damping=1e-2, inverse_update_period=2,
+               axis_name=axis, stats_sync="before_refresh")
+  vgs = kl.value_grad_and_stats(helpers.classifier_loss, c, axis_name=axis,
+                                stats_sync="before_refresh")
+
+  def step(p, s, b, poison):
+    _, grads, stats = vgs(p, b, jax.random.PRNGKey(0))
+    grads = jax.lax.pmean(grads, axis)
+    bad = poison & (jax.lax.axis_index(axis) == 0)
+    stats = jax.tree.map(lambda x: jnp.where(bad, jnp.nan, x), stats)
+    return tx.update(grads, s, p, stats=stats)
+
+  n = 2
+  rep = lambda t: jax.tree.map(lambda x: jnp.stack([x] * n), t)  # noqa: E731
+  x, y = batches[0]
+  split = (x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1))
+  pstep = jax.pmap(step, axis_name=axis, devices=jax.devices()[:n])
+  state = rep(tx.init(params))
+  for poison in (False, True):
+    _, state = pstep(rep(params), state, split,
+                     jnp.array([poison] * n))
+  np.testing.assert_array_equal(state.num_skipped, [1, 1])
+  np.testing.assert_array_equal(state.inner[0].count, [1, 1])
+  np.testing.assert_array_equal(state.inner[0].num_inverse_updates, [1, 1])
