@@ -1,15 +1,17 @@
 """Worker for the kill-and-resume test: trains, checkpoints, restores.
 
-  python -m tests.resume_worker OUT_DIR START STOP [--save-at K]
+  python -m tests.resume_worker OUT_DIR START STOP SAVE_AT [OUT_DIR ...]
 
-Trains steps [START, STOP) of a fixed, seeded run (restoring the orbax
-checkpoint OUT_DIR/ckpt when START > 0), optionally saves an orbax
-checkpoint after step K, and writes the final params and optimizer state to
-OUT_DIR/final_<STOP>.npz.
+Each group of four arguments is one run of steps [START, STOP) of a fixed,
+seeded training run: it starts from the initial state (or restores the
+orbax checkpoint OUT_DIR/ckpt when START > 0), saves an orbax checkpoint
+after step SAVE_AT (none if SAVE_AT is -1), and writes the final params
+and optimizer state to OUT_DIR/final_<STOP>.npz. The runs of one process
+share one compiled step.
 """
 
-import argparse
 import os
+import sys
 
 import jax
 import numpy as np
@@ -34,19 +36,24 @@ def batch_at(step):
                                       3)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser()
-  parser.add_argument("out")
-  parser.add_argument("start", type=int)
-  parser.add_argument("stop", type=int)
-  parser.add_argument("--save-at", type=int, default=-1)
-  args = parser.parse_args(argv)
-  params, tx = setup()
+def run(step, params, tx, out, start, stop, save_at=-1):
   state = {"params": params, "opt": tx.init(params)}
   ckpt = ocp.StandardCheckpointer()
-  path = os.path.join(os.path.abspath(args.out), "ckpt")
-  if args.start > 0:
+  path = os.path.join(os.path.abspath(out), "ckpt")
+  if start > 0:
     state = ckpt.restore(path, jax.eval_shape(lambda: state))
+  for i in range(start, stop):
+    state = step(state, batch_at(i))
+    if i + 1 == save_at:
+      ckpt.save(path, state)
+      ckpt.wait_until_finished()
+  leaves = jax.tree.leaves(state)
+  np.savez(os.path.join(out, f"final_{stop}.npz"),
+           *[np.asarray(x) for x in leaves])
+
+
+def main(argv):
+  params, tx = setup()
 
   @jax.jit
   def step(state, batch):
@@ -56,15 +63,12 @@ def main(argv=None):
     return {"params": optax.apply_updates(state["params"], updates),
             "opt": opt}
 
-  for i in range(args.start, args.stop):
-    state = step(state, batch_at(i))
-    if i + 1 == args.save_at:
-      ckpt.save(path, state)
-      ckpt.wait_until_finished()
-  leaves = jax.tree.leaves(state)
-  np.savez(os.path.join(args.out, f"final_{args.stop}.npz"),
-           *[np.asarray(x) for x in leaves])
+  if not argv or len(argv) % 4:
+    raise SystemExit(__doc__)
+  for i in range(0, len(argv), 4):
+    out, start, stop, save_at = argv[i:i + 4]
+    run(step, params, tx, out, int(start), int(stop), int(save_at))
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv[1:])

@@ -5,9 +5,25 @@ import math
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(name="mnist", scope="module")
+def _mnist(tmp_path_factory):
+  """``--data`` for a 256/128-image slice of the bundled MNIST file.
+
+  Same keys and dtypes; the examples then skip decoding and converting all
+  70,000 images each.
+  """
+  with np.load(ROOT / "examples" / "data" / "mnist.npz") as d:
+    small = {k: d[k][:256 if k.endswith("train") else 128]
+             for k in ("x_train", "y_train", "x_test", "y_test")}
+  path = tmp_path_factory.mktemp("data") / "mnist_small.npz"
+  np.savez(path, **small)
+  return ["--data", str(path)]
 
 
 def _load_example(name):
@@ -20,12 +36,12 @@ def _load_example(name):
   return module
 
 
-def test_mnist_mlp_runs_and_returns_finite_losses(capsys):
+def test_mnist_mlp_runs_and_returns_finite_losses(mnist, capsys):
   pytest.importorskip("flax")
   mnist_mlp = _load_example("mnist_mlp")
   results = mnist_mlp.main(["--max-steps", "3", "--hidden", "32",
                             "--batch-size", "32", "--epochs", "1",
-                            "--log-every", "1"])
+                            "--log-every", "1", *mnist])
   assert set(results) == {"kfac", "adam"}
   for name, res in results.items():
     assert res["steps"] == 3, name
@@ -41,13 +57,13 @@ def _finite(xs):
   return all(math.isfinite(x) for x in xs)
 
 
-def test_mnist_autoencoder_runs_and_writes_plot(tmp_path, capsys):
+def test_mnist_autoencoder_runs_and_writes_plot(mnist, tmp_path, capsys):
   pytest.importorskip("matplotlib")
   ae = _load_example("mnist_autoencoder")
   png = tmp_path / "ae.png"
-  results = ae.main(["--steps", "4", "--scale", "0.05", "--batch-size",
+  results = ae.main(["--steps", "4", "--scale", "0.01", "--batch-size",
                      "16", "--log-every", "2", "--window", "2", "--plot",
-                     str(png)])
+                     str(png), *mnist])
   k, a = results["kfac"], results["adam"]
   assert k["steps"] == 4
   for name, run in (("kfac", k), ("adam", a)):
@@ -68,12 +84,12 @@ def test_paper_batch_schedule():
   assert sizes == sorted(sizes) and len(set(sizes)) == 7
 
 
-def test_flax_cnn_classifier_runs(capsys):
+def test_flax_cnn_classifier_runs(mnist, capsys):
   pytest.importorskip("flax")
   cnn = _load_example("flax_cnn_classifier")
   results = cnn.main(["--steps", "3", "--batch-size", "16", "--channels",
                       "4", "--hidden", "16", "--eval-examples", "64",
-                      "--log-every", "1"])
+                      "--log-every", "1", *mnist])
   for name in ("kfac", "adam"):
     assert len(results[name]["losses"]) == 3, name
     assert _finite(results[name]["losses"]), name
@@ -84,22 +100,22 @@ def test_flax_cnn_classifier_runs(capsys):
   assert "found by" in capsys.readouterr().out  # describe() was printed.
 
 
-def test_nnx_mlp_runs():
+def test_nnx_mlp_runs(mnist):
   pytest.importorskip("flax")
   nnx_mlp = _load_example("nnx_mlp")
   results = nnx_mlp.main(["--steps", "3", "--batch-size", "16", "--hidden",
-                          "16", "--depth", "1", "--log-every", "0"])
+                          "16", "--depth", "1", "--log-every", "0", *mnist])
   for name in ("kfac", "adam"):
     assert len(results[name]["losses"]) == 3, name
     assert _finite(results[name]["losses"]), name
 
 
 @pytest.mark.parametrize("approx", ["kron_indep", "kron_series_2"])
-def test_rnn_sequential_mnist_runs(approx):
+def test_rnn_sequential_mnist_runs(approx, mnist):
   rnn = _load_example("rnn_sequential_mnist")
   results = rnn.main(["--steps", "3", "--batch-size", "16", "--hidden",
                       "8", "--eval-examples", "64", "--log-every", "0",
-                      "--approx", approx])
+                      "--approx", approx, *mnist])
   # The input and recurrent layers are used once per row (28 times).
   assert results["layers"][:2] == [("['w_in'] + ['b_in']", approx, 28),
                                    ("['w_rec']", approx, 28)]

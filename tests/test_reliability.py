@@ -16,6 +16,7 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import collection as collection_lib
+from tests import blocks_helpers
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,14 +249,20 @@ def test_block_identities_property(d_in, d_out, bias, approx, dtype, seed):
   params = tuple(jnp.zeros(s, dtype) for s in shapes)
   data = blocks_lib.LayerData(inputs=((x,),), grads=(g,), params=params,
                               param_grads=(), batch_size=12)
-  state = block.update_curvature(block.init(), block.compute_stats(data),
-                                 0.9)
-  state = block.update_cache(state, 0.1)
-  full = np.asarray(block.full_fisher_block(state), np.float64)
+  v = tuple(jax.random.normal(k[2], s).astype(dtype) for s in shapes)
+
+  @blocks_helpers.jit  # One compile per example instead of one per op.
+  def products():
+    state = block.update_curvature(block.init(), block.compute_stats(data),
+                                   0.9)
+    state = block.update_cache(state, 0.1)
+    return (block.full_fisher_block(state),
+            block.multiply(state, block.multiply_inverse(state, v)))
+
+  full, back = products()
+  full = np.asarray(full, np.float64)
   np.testing.assert_allclose(full, full.T, atol=1e-5)
   assert np.linalg.eigvalsh(full).min() > -1e-4 * max(1.0, np.abs(full).max())
-  v = tuple(jax.random.normal(k[2], s).astype(dtype) for s in shapes)
-  back = block.multiply(state, block.multiply_inverse(state, v))
   tol = 1e-4 if dtype == "float32" else 5e-2
   helpers.assert_trees_close(back, v, rtol=tol)
 
@@ -265,10 +272,13 @@ def test_block_identities_property(d_in, d_out, bias, approx, dtype, seed):
 # ---------------------------------------------------------------------------
 
 
-def _run_worker(tmp, *args):
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="",
+def _run_worker(*args):
+  # One simulated device is enough; keep conftest's other XLA flags.
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                   if "xla_force_host_platform_device_count" not in f)
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=flags,
              OPENBLAS_NUM_THREADS="1")
-  subprocess.run([sys.executable, "-m", "tests.resume_worker", str(tmp),
+  subprocess.run([sys.executable, "-m", "tests.resume_worker",
                   *map(str, args)], cwd=ROOT, env=env, check=True,
                  timeout=300, capture_output=True)
 
@@ -277,9 +287,11 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
   whole, parts = tmp_path / "whole", tmp_path / "parts"
   whole.mkdir()
   parts.mkdir()
-  _run_worker(whole, 0, 30)
-  _run_worker(parts, 0, 15, "--save-at", 15)   # the "killed" run
-  _run_worker(parts, 15, 30)                   # a fresh process resumes
+  # One process: the uninterrupted run, then the "killed" run that stops
+  # after saving its checkpoint at step 15. A fresh process resumes it.
+  _run_worker(whole, 0, 30, -1, parts, 0, 15, 15)
+  assert not (parts / "final_30.npz").exists()
+  _run_worker(parts, 15, 30, -1)
   a, b = np.load(whole / "final_30.npz"), np.load(parts / "final_30.npz")
   assert len(a.files) == len(b.files) > 10
   for key in a.files:
