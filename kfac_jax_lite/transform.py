@@ -24,6 +24,7 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from kfac_jax_lite import distributed
 from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import linalg
 from kfac_jax_lite.collection import LayerCollection
@@ -368,6 +369,7 @@ def inputs_finite(updates, stats=None, axis_name=None) -> jnp.ndarray:
   finite = linalg.all_finite([updates] + ([stats] if stats is not None
                                           else []))
   if axis_name is not None:
+    distributed.axis_size(axis_name)  # A clear error if it is not bound.
     finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
   return finite
 
