@@ -149,7 +149,8 @@ class Curvature:
     the whole state: on XLA:CPU one copies every factor and cache each
     step and doubles the compile time.
 
-    Static periods of 1 trace no conditional at all.
+    Static periods of 1 trace no conditional (the refresh's, without a
+    gate).
     """
     if linearized is not None:
       if stats is None:
@@ -325,9 +326,11 @@ def skip_nonfinite(inner: optax.GradientTransformationExtraArgs,
                    axis_name=None) -> optax.GradientTransformationExtraArgs:
   """Skips steps whose gradients or ``stats=`` are not all finite.
 
-  On such a step the update is zero and the inner state (factors, caches,
-  momentum, damping, counters) is returned unchanged, so parameters and
-  curvature are untouched; ``num_skipped`` counts the event. Unlike
+  On such a step the update is zero and the inner state (momentum, damping,
+  counters, the sampling key, cached inverses) is returned unchanged;
+  K-FAC factors fold in only finite statistics (finite statistics that came
+  with non-finite gradients still count); ``num_skipped`` counts the
+  event. Unlike
   ``optax.apply_if_finite`` it also checks curvature statistics passed as
   ``stats=``, and never gives up skipping. A NaN in a batch given as
   ``batch=`` shows up in the gradients of that batch.
