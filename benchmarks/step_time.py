@@ -151,11 +151,13 @@ def adam_step(loss_fn, tx) -> Callable:
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def kfac_step(loss_fn, tx, collection, pass_batch: bool = False) -> Callable:
+def kfac_step(loss_fn, tx, collection, pass_batch: bool = False,
+              stats_fraction: float = 1.0) -> Callable:
   """K-FAC's step; ``pass_batch`` for kfac_optimizer, whose
   ``update(None, ..., batch=)`` takes loss, gradient, statistics and its
   quadratic model's products from one forward pass."""
-  vgs = kfac_jax_lite.value_grad_and_stats(loss_fn, collection)
+  vgs = kfac_jax_lite.value_grad_and_stats(loss_fn, collection,
+                                           stats_fraction=stats_fraction)
 
   def step(params, state, batch, rng):
     if pass_batch:
@@ -279,25 +281,38 @@ def breakdown(problem: Problem, collection, damping: float,
 
 
 def make_runners(problem: Problem, collection, periods, damping: float,
-                 with_optimizer: bool) -> list:
+                 with_optimizer: bool, fractions: Sequence[float] = ()
+                 ) -> list:
+  """Adam, then ``kfac`` (and ``kfac_optimizer``) at each inverse period;
+  each ``fractions`` entry adds both at period 5 with that
+  ``stats_fraction``."""
   runners = []
   tx = optax.adam(1e-3)
   runners.append(Runner("optax.adam",
                         lambda tx=tx: adam_step(problem.loss_fn, tx), tx,
                         problem.params, problem.batches))
-  for period in periods:
+  variants = [(p, 1.0) for p in periods] + [(5, f) for f in fractions]
+
+  def label(name, period, fraction):
+    return f"{name}, inverse every {period}" + (
+        f", stats_fraction {fraction:g}" if fraction != 1.0 else "")
+
+  for period, fraction in variants:
     tx = kfac_jax_lite.kfac(1e-2, collection, damping=damping,
-                            inverse_update_period=period)
+                            inverse_update_period=period,
+                            stats_fraction=fraction)
     runners.append(Runner(
-        f"kfac, inverse every {period}",
-        lambda tx=tx: kfac_step(problem.loss_fn, tx, collection), tx,
+        label("kfac", period, fraction),
+        lambda tx=tx, f=fraction: kfac_step(problem.loss_fn, tx, collection,
+                                            stats_fraction=f), tx,
         problem.params, problem.batches))
   if with_optimizer:
-    for period in periods:
+    for period, fraction in variants:
       tx = kfac_jax_lite.kfac_optimizer(collection,
-                                        inverse_update_period=period)
+                                        inverse_update_period=period,
+                                        stats_fraction=fraction)
       runners.append(Runner(
-          f"kfac_optimizer, inverse every {period}",
+          label("kfac_optimizer", period, fraction),
           lambda tx=tx: kfac_step(problem.loss_fn, tx, collection,
                                   pass_batch=True), tx,
           problem.params, problem.batches))
@@ -310,8 +325,9 @@ def bench(problem: Problem, args, with_optimizer: bool) -> list:
   collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
                                   problem.batches[0])
   periods = [int(s) for s in args.periods.split(",")]
+  fractions = [float(f) for f in args.stats_fractions.split(",") if f]
   runners = make_runners(problem, collection, periods, args.damping,
-                         with_optimizer)
+                         with_optimizer, fractions)
   for r in runners:  # First call: trace + compile + run.
     r.run(1 + args.warmup, record=False)
   for _ in range(args.rounds):
@@ -330,7 +346,8 @@ def bench(problem: Problem, args, with_optimizer: bool) -> list:
         + (" (above the CPU count: other processes competed; expect noise)"
            if max(load_before, os.getloadavg()[0]) > (os.cpu_count() or 1)
            else "") + "\n")
-  header = (f"| {'optimizer':<34} | first call | first call CPU | "
+  width = max(34, *(len(r.name) for r in runners))
+  header = (f"| {'optimizer':<{width}} | first call | first call CPU | "
             f"{'median':>9} | {'mean':>9} | median/adam | mean/adam | "
             "first/adam |")
   print(header)
@@ -346,7 +363,7 @@ def bench(problem: Problem, args, with_optimizer: bool) -> list:
                  "mean_ms": 1e3 * mean, "median_ratio": med / base_med,
                  "mean_ratio": mean / base_mean,
                  "first_ratio": r.first_call_s / adam.first_call_s})
-    print(f"| {r.name:<34} | {r.first_call_s:9.2f}s | "
+    print(f"| {r.name:<{width}} | {r.first_call_s:9.2f}s | "
           f"{r.first_call_cpu_s:13.2f}s | {1e3 * med:7.2f}ms | "
           f"{1e3 * mean:7.2f}ms | {med / base_med:10.2f}x | "
           f"{mean / base_mean:8.2f}x | {rows[-1]['first_ratio']:9.2f}x |")
@@ -387,6 +404,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="timed steps per optimizer per round (>= 30 in all)")
   p.add_argument("--damping", type=float, default=1e-2,
                  help="kfac's damping (kfac_optimizer adapts its own)")
+  p.add_argument("--stats-fractions", default="0.25",
+                 help="comma-separated stats_fraction values: each adds "
+                 "kfac (and kfac_optimizer) rows at inverse period 5 whose "
+                 "factors use that fraction of each batch ('' for none)")
   p.add_argument("--no-breakdown", action="store_true",
                  help="skip the per-part breakdown and compile split")
   args = p.parse_args(argv)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -167,7 +168,8 @@ class Linearized:
   model). Built inside a trace; not a pytree.
   """
 
-  def __init__(self, collection: LayerCollection, params, batch):
+  def __init__(self, collection: LayerCollection, params, batch,
+               head_only: bool = False):
     # Under shard_map, linearise per replica (see distributed.vary).
     self._axes = distributed.varying_axes(batch)
     params = distributed.vary(params, self._axes)
@@ -183,6 +185,9 @@ class Linearized:
     self.records, self.targets = records, targets
     self.jvp = jvp
     self.vjp = jax.linear_transpose(jvp, params, eps)
+    # True for the linearisation of a batch's first ⌈f·B⌉ examples
+    # (FisherEstimator.linearize_head): its statistics use every row.
+    self.head_only = head_only
 
   def gradient(self):
     """``∂ loss / ∂ params``: this replica's own under ``shard_map``/``pmap``.
@@ -207,8 +212,21 @@ class _Pass:
   param_grads_all: Any   # [S, leaf] grads of the summed source losses, or None
 
 
+def stats_rows(batch_size: int, fraction: float) -> int:
+  """``⌈fraction · B⌉``: the examples whose rows enter the factors."""
+  return max(1, min(batch_size, math.ceil(fraction * batch_size - 1e-9)))
+
+
+def _first_examples(x, axis: int, rows: int):
+  """The first ``rows`` entries of ``x`` along its batch ``axis``."""
+  if x.shape[axis] == rows:
+    return x
+  return lax.slice_in_dim(x, 0, rows, axis=axis)
+
+
 def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
-                     need_all_param_grads, axis_name=None) -> _Pass:
+                     need_all_param_grads, axis_name=None,
+                     fraction: float = 1.0) -> _Pass:
   collection = lin.collection
   cts = _loss_cotangents(mode, collection.losses, lin.zs, lin.targets, key,
                          num_samples)
@@ -235,18 +253,30 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
   sites_of = {}
   for s in lin.sites:
     sites_of.setdefault(s.leaves, []).append(s)
+  # Row statistics use the first ⌈fraction·B⌉ examples: recorded inputs are
+  # [T1..Tk, B, ...] and output gradients [S, T1..Tk, B, ...].
+  # Blocks from summed parameter gradients keep the whole batch (their
+  # sites may have no batch axis at all).
+  rows = stats_rows(batch_size, fraction)
   data = []
   for layer, block in zip(collection.layers, blocks):
     sites = sites_of.get(layer.param_indices, [])
+    n = None if block.needs_param_grads else rows
+    head = lambda x, axis, n=n: (  # noqa: E731
+        x if n is None else _first_examples(x, axis, n))
+    inputs_of = lambda x, s: _site_inputs(  # noqa: E731
+        head(x, len(s.scan_lengths)), s)
+    grads_of = lambda g, s: _site_grads(  # noqa: E731
+        head(g, len(s.scan_lengths) + 1), s)
     data.append(blocks_lib.LayerData(
-        inputs=tuple(tuple(_site_inputs(x, s) for x in lin.records[s.key])
+        inputs=tuple(tuple(inputs_of(x, s) for x in lin.records[s.key])
                      for s in sites),
-        grads=tuple(_site_grads(eps_bars[s.key], s) for s in sites),
+        grads=tuple(grads_of(eps_bars[s.key], s) for s in sites),
         params=tuple(leaves[i] for i in layer.param_indices),
         param_grads=tuple(_param_grads(block_p_bars[i], layer)
                           for i in layer.param_indices)
         if block.needs_param_grads else (),
-        batch_size=block_batch if block.needs_param_grads else batch_size))
+        batch_size=block_batch if block.needs_param_grads else rows))
   return _Pass(layer_data=tuple(data),
                param_grads_all=p_bars if need_all_param_grads else None)
 
@@ -336,6 +366,17 @@ class FisherEstimator:
     distributed_inverses: split :meth:`update_cache` across the devices of
       ``axis_name``: each computes the inverses of its share of the blocks
       and one ``psum`` shares them (:func:`distributed.update_cache`).
+    stats_fraction: ``f ∈ (0, 1]``. Factors built from rows of per-example
+      quantities (Kronecker ``A = E[a aᵀ]``, ``G = E[g gᵀ]``, conv, scale
+      and shift, embeddings) average over the first ``m = ⌈f·B⌉`` examples
+      of each batch (of each replica's batch under ``axis_name``) instead
+      of all ``B``: the outer products cost ``f`` times as much, and the
+      EMA over steps makes up for the noisier minibatch estimate (TF
+      K-FAC's ``sub_sample_outer_products`` / ``sub_sample_inputs`` make
+      the same trade). Take shuffled batches: the subset is the first
+      ``m``, not a random draw. Blocks built from summed parameter
+      gradients (``full``, ``diagonal`` over generic layers) always use
+      the whole batch; so do the gradient and the loss.
 
   Example:
     >>> est = FisherEstimator(collection, damping=1e-3)
@@ -357,6 +398,7 @@ class FisherEstimator:
   axis_name: Any = None
   stats_sync: str = "every_update"
   distributed_inverses: bool = False
+  stats_fraction: float = 1.0
 
   def __post_init__(self):
     if not isinstance(self.collection, LayerCollection):
@@ -371,6 +413,13 @@ class FisherEstimator:
           f"cov_ema_decay={self.cov_ema_decay!r} must be in [0, 1).")
     if isinstance(self.damping, (int, float)) and self.damping < 0:
       raise ValueError(f"damping={self.damping!r} must be >= 0.")
+    if isinstance(self.stats_fraction, bool) or not isinstance(
+        self.stats_fraction, (int, float)) or not (
+            0.0 < self.stats_fraction <= 1.0):
+      raise ValueError(
+          f"stats_fraction={self.stats_fraction!r} must be a number in "
+          "(0, 1]: the fraction of each batch whose examples enter the "
+          "factors (1.0 uses every example).")
     if not isinstance(self.num_samples, int) or self.num_samples < 1:
       raise ValueError(
           f"num_samples={self.num_samples!r} must be a positive int.")
@@ -413,6 +462,46 @@ class FisherEstimator:
     """One forward pass of the collection's loss function, linearised."""
     return Linearized(self.collection, params, batch)
 
+  def linearize_head(self, params, batch, lin: Linearized) -> Linearized:
+    """The linearisation the curvature of ``batch`` is estimated from.
+
+    ``lin`` itself when ``stats_fraction`` is 1; otherwise a second, smaller
+    forward pass over the first ``m = ⌈f·B⌉`` examples (``B`` the rows of
+    ``lin``'s loss tags): every batch leaf whose leading axis has ``B``
+    entries is cut to its first ``m``. Its statistics use all its rows, and
+    JVPs through it (the optimizer's Fisher products) cost ``f`` times
+    those through ``lin``.
+
+    When the cut batch does not give loss tags of ``m`` rows (examples not
+    on the leading axis, e.g. a time-major ``[T, B, ...]`` sequence batch)
+    it warns at trace time and returns ``lin``: the factors still use the
+    first ``m`` rows, the Fisher products the whole batch.
+    """
+    total = lin.zs[0].shape[0] if lin.zs else 0
+    rows = stats_rows(total, self.stats_fraction) if total else 0
+    if rows == total:
+      return lin
+    head = jax.tree.map(
+        lambda x: _first_examples(x, 0, rows)
+        if getattr(x, "ndim", 0) and x.shape[0] == total else x, batch)
+    try:
+      out = Linearized(self.collection, params, head, head_only=True)
+      got = sorted({z.shape[0] for z in out.zs})
+      problem = None if got == [rows] else f"loss tags of {got} rows"
+    except (TypeError, ValueError) as e:  # The full batch traced fine.
+      problem = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    if problem is None:
+      return out
+    warnings.warn(
+        f"stats_fraction={self.stats_fraction!r}: cutting the batch to its "
+        f"first {rows} of {total} examples (every leaf whose leading axis "
+        f"has {total} entries) gave {problem}, so the curvature is "
+        "linearised on the whole batch: the factors still use the first "
+        "rows, but the Fisher products cost as much as without "
+        "stats_fraction. Put the example axis first in every batch leaf to "
+        "save that.", stacklevel=2)
+    return lin
+
   def stats_from(self, lin: Linearized, rng):
     """Minibatch statistics from a linearisation (a backward pass each).
 
@@ -423,7 +512,8 @@ class FisherEstimator:
       rng = distributed.replica_key(rng, self.axis_name)
     p = _statistics_pass(lin, self.blocks, rng, self.estimation_mode,
                          self.num_samples, self.compute_params_stats,
-                         self.axis_name)
+                         self.axis_name,
+                         1.0 if lin.head_only else self.stats_fraction)
     return self._stats_from_pass(p, lin.params)
 
   def _stats_tag(self) -> dict:
@@ -634,6 +724,7 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
                          has_aux: bool = False, num_samples: int = 1,
                          axis_name: Any = None,
                          stats_sync: str = "every_update",
+                         stats_fraction: float = 1.0,
                          estimator: Optional[FisherEstimator] = None):
   """Loss, gradient and curvature statistics from one forward pass.
 
@@ -654,7 +745,7 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
     estimation_mode: as :class:`FisherEstimator`; must match the consumer.
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
     num_samples: target draws per example.
-    axis_name, stats_sync: as :class:`FisherEstimator`.
+    axis_name, stats_sync, stats_fraction: as :class:`FisherEstimator`.
     estimator: use this estimator's blocks and options instead.
   """
   if loss_fn is not collection.loss_fn:
@@ -667,7 +758,8 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
         f"has_aux={collection.has_aux}.")
   est = estimator or FisherEstimator(
       collection, estimation_mode=estimation_mode, num_samples=num_samples,
-      axis_name=axis_name, stats_sync=stats_sync)
+      axis_name=axis_name, stats_sync=stats_sync,
+      stats_fraction=stats_fraction)
 
   def fn(params, batch, rng):
     lin = est.linearize(params, batch)

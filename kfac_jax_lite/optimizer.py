@@ -175,7 +175,15 @@ def kfac_optimizer(collection: LayerCollection, *,
     **curvature_kwargs: ``cov_ema_decay``, ``cov_update_period``,
       ``inverse_update_period``, ``estimation_mode``, ``axis_name``,
       ``seed``, ``stagger_inverse_updates`` and estimator options, as for
-      :func:`kfac_jax_lite.scale_by_kfac`.
+      :func:`kfac_jax_lite.scale_by_kfac`. With ``stats_fraction=f < 1``
+      the whole curvature side runs on the first ``⌈f·B⌉`` examples of the
+      batch: the factors' statistics, and the Fisher products ``M`` of the
+      quadratic model, from a second forward pass over those examples only
+      (:meth:`FisherEstimator.linearize_head`); the gradient and the loss
+      stay the whole batch's. On the 784-1000-...-784 autoencoder at batch
+      500 ``f = 0.25`` cuts the XLA flop count of a step without refresh
+      from 35 to 22 GFLOP
+      (``benchmarks/step_time.py``).
 
   Steps with non-finite gradients or statistics leave the parameters and
   the whole state untouched and are counted in ``state.num_skipped``.
@@ -231,12 +239,15 @@ def kfac_optimizer(collection: LayerCollection, *,
     loss = lin.loss
     if axis_name is not None:
       loss = lax.pmean(loss, axis_name)
+    # The curvature (statistics, Fisher products) of the first ⌈f·B⌉
+    # examples: lin itself unless stats_fraction < 1.
+    head = est.linearize_head(params, batch, lin)
     cstate = curvature.step(state.curvature, params, None, stats, lam,
-                            linearized=lin, gate=finite)
+                            linearized=head, gate=finite)
     delta = jax.tree.map(lambda d: -d, est.multiply_inverse(cstate.estimator,
                                                             grads))
     prev = state.velocity
-    m = fisher_gram(lin, [delta, prev], axis_name)
+    m = fisher_gram(head, [delta, prev], axis_name)
     vecs = (delta, prev)
     gram = jnp.array([[optax.tree.vdot(a, b) for b in vecs] for a in vecs])
     c = jnp.array([optax.tree.vdot(grads, v) for v in vecs])

@@ -274,7 +274,7 @@ def scale_by_kfac(collection: LayerCollection, *,
       instead of all blocks every ``inverse_update_period`` steps.
     **estimator_kwargs: more :class:`FisherEstimator` options
       (``num_samples``, ``damping_type``, ``exps``, ``stats_sync``,
-      ``distributed_inverses``, ...).
+      ``distributed_inverses``, ``stats_fraction``, ...).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes

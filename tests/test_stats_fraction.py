@@ -1,0 +1,213 @@
+"""stats_fraction: row statistics from the first ⌈f·B⌉ examples of a batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_jax_lite as kl
+from tests import helpers
+
+SIZES = [5, 6, 3]
+
+
+def _problem(n=8, seed=0):
+  params = helpers.mlp_params(jax.random.PRNGKey(seed), SIZES)
+  batch = helpers.classification_batch(jax.random.PRNGKey(seed + 1), n,
+                                       SIZES[0], SIZES[-1])
+  return params, batch
+
+
+def _stats(collection, params, batch, fraction, mode="exact", **kw):
+  vgs = kl.value_grad_and_stats(collection.loss_fn, collection,
+                                estimation_mode=mode,
+                                stats_fraction=fraction, **kw)
+  return vgs(params, batch, jax.random.PRNGKey(3))
+
+
+@pytest.mark.parametrize("fraction,rows", [(0.5, 4), (0.3, 3), (1 / 8, 1)])
+def test_row_statistics_are_those_of_the_first_examples(fraction, rows):
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  _, grads, stats = _stats(collection, params, batch, fraction)
+  head = jax.tree.map(lambda x: x[:rows], batch)
+  _, _, want = _stats(collection, params, head, 1.0)
+  _, full_grads, full = _stats(collection, params, batch, 1.0)
+  for got, ref, every in zip(stats["blocks"], want["blocks"],
+                             full["blocks"]):
+    for k in ("a", "g"):
+      np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
+      # The subset differs from the whole batch (else this test is void).
+      assert not np.allclose(got[k], every[k], rtol=1e-3, atol=1e-5)
+  # The gradient (and the loss) always use the whole batch.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               grads, full_grads)
+
+
+def _scaled_loss(params, batch):
+  """An MLP whose logits are scaled by a generic (summed-gradient) vector."""
+  x, y = batch
+  logits, _ = helpers.mlp_forward(params["mlp"], x)
+  logits = logits * kl.register_generic(params["scale"], approx="full")
+  kl.register_categorical_predictive_distribution(logits, y)
+  return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                       y[:, None], axis=-1))
+
+
+def test_parameter_gradient_blocks_use_the_whole_batch():
+  params, batch = _problem()
+  params = {"mlp": params, "scale": 1.0 + 0.1 * jnp.arange(SIZES[-1],
+                                                           dtype=jnp.float32)}
+  collection = kl.scan(_scaled_loss, params, batch)
+  kinds = [l.kind for l in collection.layers]
+  generic = kinds.index("generic")
+  _, _, sub = _stats(collection, params, batch, 0.25)
+  _, _, full = _stats(collection, params, batch, 1.0)
+  head = jax.tree.map(lambda x: x[:2], batch)
+  _, _, head_stats = _stats(collection, params, head, 1.0)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+               sub["blocks"][generic], full["blocks"][generic])
+  assert not all(np.allclose(a, b) for a, b in zip(
+      jax.tree.leaves(full["blocks"][generic]),
+      jax.tree.leaves(head_stats["blocks"][generic])))
+  dense = [i for i, k in enumerate(kinds) if k != "generic"]
+  for i in dense:  # ... while the row statistics use the first 2 examples.
+    np.testing.assert_allclose(sub["blocks"][i]["a"],
+                               head_stats["blocks"][i]["a"], rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, True, "half", None])
+def test_bad_fraction_names_the_argument(bad):
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  with pytest.raises(ValueError, match="stats_fraction"):
+    kl.FisherEstimator(collection, stats_fraction=bad)
+
+
+def test_transforms_pass_the_fraction_to_their_estimator():
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  for tx in (kl.kfac(1e-2, collection, stats_fraction=0.5,
+                     estimation_mode="exact"),
+             kl.kfac_optimizer(collection, stats_fraction=0.5,
+                               estimation_mode="exact")):
+    state = tx.init(params)
+    grads = jax.grad(helpers.classifier_loss)(params, batch)
+    updates, state = jax.jit(lambda g, s, p, b, tx=tx: tx.update(
+        g, s, p, batch=b))(grads, state, params, batch)
+    assert all(jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates))
+    curv = [x for x in jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, kl.transform.CurvatureState))
+            if isinstance(x, kl.transform.CurvatureState)][0]
+    head = jax.tree.map(lambda x: x[:4], batch)
+    _, _, want = _stats(collection, params, head, 1.0)
+    for got, ref in zip(curv.estimator.blocks, want["blocks"]):
+      np.testing.assert_allclose(got.a, ref["a"], rtol=1e-5, atol=1e-6)
+
+
+def _ce(logits, y):
+  kl.register_categorical_predictive_distribution(logits, y)
+  return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                       y[:, None], axis=-1))
+
+
+def _normal(shape, seed):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape)
+
+
+def _assert_rows_match(collection, params, batch, head, fraction):
+  _, _, sub = _stats(collection, params, batch, fraction)
+  _, _, want = _stats(collection, params, head, 1.0)
+  _, _, full = _stats(collection, params, batch, 1.0)
+  for got, ref, every in zip(sub["blocks"], want["blocks"], full["blocks"]):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-6), got, ref)
+    # The factors of the subset differ from the whole batch's.
+    assert not np.allclose(got["a"], every["a"], rtol=1e-3, atol=1e-5)
+    assert not np.allclose(got["g"], every["g"], rtol=1e-3, atol=1e-5)
+
+
+def test_scan_over_stacked_layers_slices_the_batch_axis():
+  def loss_fn(p, batch):
+    h, _ = jax.lax.scan(lambda h, wb: (jnp.tanh(h @ wb[1] + wb[0]), None),
+                        batch[0], (p["B"], p["W"]))
+    return _ce(h, batch[1])
+  params = {"B": 0.1 * _normal((3, 4), 1), "W": 0.5 * _normal((3, 4, 4), 2)}
+  x = _normal((8, 4), 3)
+  y = jax.random.randint(jax.random.PRNGKey(4), (8,), 0, 4)
+  collection = kl.scan(loss_fn, params, (x, y))
+  assert collection.layers[0].stack == 3
+  _assert_rows_match(collection, params, (x, y), (x[:2], y[:2]), 0.25)
+
+
+def test_scan_over_time_slices_the_batch_not_the_time_axis():
+  def loss_fn(p, batch):
+    h, hs = jax.lax.scan(
+        lambda h, x: (jnp.tanh(x @ p["wx"] + h @ p["wh"]),) * 2,
+        jnp.zeros((batch[0].shape[1], 4)), batch[0])
+    return _ce(hs[-1] @ p["out"], batch[1])
+  params = {"wx": _normal((3, 4), 1), "wh": 0.5 * _normal((4, 4), 2),
+            "out": _normal((4, 3), 3)}
+  x = _normal((5, 8, 3), 4)   # [T, B, d]
+  y = jax.random.randint(jax.random.PRNGKey(5), (8,), 0, 3)
+  collection = kl.scan(loss_fn, params, (x, y))
+  assert collection.layers[0].num_uses == 5
+  _assert_rows_match(collection, params, (x, y), (x[:, :4], y[:4]), 0.5)
+
+
+def test_optimizer_fisher_products_come_from_the_head_of_the_batch():
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  est = kl.FisherEstimator(collection, stats_fraction=0.5)
+  lin = est.linearize(params, batch)
+  head = est.linearize_head(params, batch, lin)
+  assert head is not lin and head.head_only
+  assert [z.shape[0] for z in head.zs] == [4]
+  u = jax.grad(helpers.classifier_loss)(params, batch)
+  v = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+  got = kl.optimizer.fisher_gram(head, [u, v])
+  first = jax.tree.map(lambda x: x[:4], batch)
+  want = kl.optimizer.fisher_gram(est.linearize(params, first), [u, v])
+  everything = kl.optimizer.fisher_gram(lin, [u, v])
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert not np.allclose(got, everything, rtol=1e-3)
+  # Its statistics use every one of its rows (it is the head already).
+  rng = jax.random.PRNGKey(0)
+  exact = kl.FisherEstimator(collection, stats_fraction=0.5,
+                             estimation_mode="exact")
+  stats = exact.stats_from(exact.linearize_head(params, batch, lin), rng)
+  ref = exact.stats_from(exact.linearize(params, batch), rng)
+  np.testing.assert_allclose(stats["blocks"][0]["a"], ref["blocks"][0]["a"],
+                             rtol=1e-5, atol=1e-6)
+  # Without stats_fraction there is no second forward pass.
+  assert kl.FisherEstimator(collection).linearize_head(params, batch,
+                                                       lin) is lin
+
+
+def test_time_major_batch_warns_and_keeps_the_whole_batch():
+  def loss_fn(p, batch):
+    hs = jnp.tanh(batch[0] @ p["w"])          # [T, B, 4]
+    return _ce(hs[-1] @ p["out"], batch[1])
+  params = {"w": _normal((3, 4), 1), "out": _normal((4, 3), 2)}
+  x = _normal((5, 8, 3), 3)
+  y = jax.random.randint(jax.random.PRNGKey(4), (8,), 0, 3)
+  collection = kl.scan(loss_fn, params, (x, y))
+  est = kl.FisherEstimator(collection, stats_fraction=0.5)
+  lin = est.linearize(params, (x, y))
+  with pytest.warns(UserWarning, match="stats_fraction=0.5"):
+    assert est.linearize_head(params, (x, y), lin) is lin
+
+
+def test_uncut_batch_warns_and_keeps_the_whole_batch():
+  def loss_fn(p, x):  # x: [T, B, 3]; no leaf has the examples first.
+    out = jnp.tanh(x @ p["w"])[-1]
+    kl.register_normal_predictive_distribution(out, jnp.zeros_like(out))
+    return jnp.mean(out ** 2)
+  params = {"w": _normal((3, 4), 1)}
+  x = _normal((5, 8, 3), 3)
+  collection = kl.scan(loss_fn, params, x)
+  est = kl.FisherEstimator(collection, stats_fraction=0.5)
+  lin = est.linearize(params, x)
+  with pytest.warns(UserWarning, match=r"loss tags of \[8\] rows"):
+    assert est.linearize_head(params, x, lin) is lin
