@@ -256,8 +256,8 @@ def bucketed_map(fn, mats, dampings) -> list:
   """``[fn(m, d) for m, d in zip(mats, dampings)]``, one size per bucket.
 
   Math: for a block-diagonal matrix every matrix function acts block by
-  block, :math:`f\begin{pmatrix} M & 0 \\ 0 & I \end{pmatrix} =
-  \begin{pmatrix} f(M) & 0 \\ 0 & f(1) I \end{pmatrix}`; so the
+  block, :math:`f\\begin{pmatrix} M & 0 \\\\ 0 & I \\end{pmatrix} =
+  \\begin{pmatrix} f(M) & 0 \\\\ 0 & f(1) I \\end{pmatrix}`; so the
   top-left ``n x n`` block of ``(P + d I)^e`` with ``P = [[M, 0], [0, I]]``
   is ``(M + d I)^e`` exactly, and the padded block ``(1 + d)^e I`` stays
   finite (and well conditioned) for any damping ``d >= 0``. The Cholesky

@@ -287,10 +287,10 @@ class KroneckerBlock(base.Block):
   def factor_dampings(self, state, damping, trace_norms: dict) -> dict:
     """``{"a": d_a, "g": d_g}``: λ split between the factors.
 
-    Pi-adjusted (:func:`linalg.pi_split`) with :math:`\lambda' = \lambda /
-    c`: ``c (A + d_a I) ⊗ (G + d_g I)``, :math:`d_a = \pi
-    \sqrt{\lambda'}`, :math:`d_g = \sqrt{\lambda'} / \pi`,
-    :math:`\pi^2 = \frac{\mathrm{tr} A / \dim A}{\mathrm{tr} G / \dim G}`.
+    Pi-adjusted (:func:`linalg.pi_split`) with :math:`\\lambda' = \\lambda /
+    c`: ``c (A + d_a I) ⊗ (G + d_g I)``, :math:`d_a = \\pi
+    \\sqrt{\\lambda'}`, :math:`d_g = \\sqrt{\\lambda'} / \\pi`,
+    :math:`\\pi^2 = \\frac{\\mathrm{tr} A / \\dim A}{\\mathrm{tr} G / \\dim G}`.
 
     Args:
       state: the block state.
