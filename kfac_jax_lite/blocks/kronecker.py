@@ -234,8 +234,8 @@ class KroneckerBlock(base.Block):
 
   def update_cache(self, state, damping):
     damping = jnp.asarray(damping, linalg.factor_dtype())
-    cache = {}
     if self.config.damping_type == "exact":
+      cache = {}
       for name in ("a", "g"):
         f = getattr(state, name)
         if f.ndim == 1:
@@ -244,16 +244,90 @@ class KroneckerBlock(base.Block):
           s, u = linalg.safe_eigh(f)
           cache[f"{name}_eigval"], cache[f"{name}_eigvec"] = s, u
       return state._replace(cache=cache, damping=damping)
-    da, dg = self._split_damping(state, damping)
-    for name, f, d in (("a", state.a, da), ("g", state.g, dg)):
-      powers = linalg.damped_powers(f, d, self.config.cached_exps)
-      cache.update({f"{name}^{e:g}": p for e, p in powers.items()})
-      if self.config.compute_cholesky or self.config.compute_cholesky_inverse:
-        chol = linalg.damped_cholesky(f, d)
-        if self.config.compute_cholesky:
-          cache[f"{name}_chol"] = chol
-        if self.config.compute_cholesky_inverse:
-          cache[f"{name}_chol_inv"] = linalg.lower_triangular_inverse(chol)
+    requests = self.factor_requests(state)
+    dampings = self.factor_dampings(state, damping, {
+        name: linalg.trace_norm(f) for name, f in requests})
+    return self.with_factor_caches(state, damping, {
+        name: self.factor_cache(f, dampings[name]) for name, f in requests})
+
+  # ---- the "pi" refresh, factor by factor ------------------------------
+  # FisherEstimator.update_cache refreshes the dense factors of all such
+  # blocks together, in size buckets (linalg.bucketed_map); the result
+  # is the same as update_cache's.
+
+  @property
+  def factor_options(self) -> tuple:
+    """``(exps, compute_cholesky, compute_cholesky_inverse)`` of
+    :meth:`factor_cache`: factors with equal options can share a bucket."""
+    return (self.config.cached_exps, self.config.compute_cholesky,
+            self.config.compute_cholesky_inverse)
+
+  def factor_cache(self, f, d) -> dict:
+    """One factor's cache ``{"^e": (f + d I)^e, "_chol", "_chol_inv"}``
+    (:func:`linalg.damped_factor_cache`, with this block's options).
+
+    For a matrix ``f`` every entry is a matrix function of ``f`` alone
+    (given ``d``): padding ``f`` block-diagonally with an identity pads the
+    results the same way, so factors of nearby sizes can be refreshed as
+    one padded size (:func:`linalg.bucketed_map`)."""
+    return linalg.damped_factor_cache(f, d, *self.factor_options)
+
+  def factor_requests(self, state) -> tuple:
+    """``((name, matrix), ...)``: the dense factors of a ``"pi"`` refresh.
+
+    Diagonal factors (vectors) are not requested: :meth:`with_factor_caches`
+    refreshes them itself (elementwise, nothing to batch).
+    """
+    if self.config.damping_type != "pi":
+      raise ValueError("factor_requests is for damping_type='pi' only.")
+    dt = linalg.factor_dtype()
+    return tuple((name, f.astype(dt)) for name, f in
+                 (("a", state.a), ("g", state.g)) if f.ndim == 2)
+
+  def factor_dampings(self, state, damping, trace_norms: dict) -> dict:
+    """``{"a": d_a, "g": d_g}``: λ split between the factors.
+
+    Pi-adjusted (:func:`linalg.pi_split`) with :math:`\\lambda' = \\lambda /
+    c`: ``c (A + d_a I) ⊗ (G + d_g I)``, :math:`d_a = \\pi
+    \\sqrt{\\lambda'}`, :math:`d_g = \\sqrt{\\lambda'} / \\pi`,
+    :math:`\\pi^2 = \\frac{\\mathrm{tr} A / \\dim A}{\\mathrm{tr} G / \\dim G}`.
+
+    Args:
+      state: the block state.
+      damping: λ.
+      trace_norms: ``tr(F) / dim F`` of any factor already known (the
+        others are computed here).
+    """
+    damping = jnp.asarray(damping, linalg.factor_dtype())
+    norms = {n: trace_norms[n] if n in trace_norms
+             else linalg.trace_norm(getattr(state, n)) for n in ("a", "g")}
+    da, dg = linalg.pi_split(norms["a"], norms["g"], damping / state.scale)
+    return {"a": da, "g": dg}
+
+  def with_factor_caches(self, state, damping, caches: dict):
+    """The refreshed state from the dense factors' caches.
+
+    Args:
+      state: the block state.
+      damping: λ given to the refresh (stored in ``state.damping``).
+      caches: ``{name: factor_cache(f, d_name)}`` for every
+        :meth:`factor_requests` entry, ``d`` from :meth:`factor_dampings`
+        (computed in any way: alone, or padded in a bucket).
+
+    Returns:
+      ``state`` with the cache ``update_cache`` writes: keys ``"a^e"``,
+      ``"g^e"``, ``"a_chol"``, ``"a_chol_inv"``, ... as configured.
+    """
+    damping = jnp.asarray(damping, linalg.factor_dtype())
+    caches = dict(caches)
+    missing = [n for n in ("a", "g") if n not in caches]
+    if missing:  # Diagonal factors: elementwise.
+      d = self.factor_dampings(state, damping, {})
+      for n in missing:
+        caches[n] = self.factor_cache(getattr(state, n), d[n])
+    cache = {}
+    for name in ("a", "g"):
+      cache.update({name + k: v for k, v in caches[name].items()})
     return state._replace(cache=cache, damping=damping)
 
   # ---- products --------------------------------------------------------

@@ -1,0 +1,123 @@
+"""The inverse refresh pads Kronecker factors of nearby sizes to one size.
+
+``FisherEstimator.update_cache`` refreshes the dense factors of "pi"-damped
+Kronecker blocks through :func:`linalg.bucketed_map`: each factor is padded
+with an identity block to its bucket's size (exact for matrix functions of
+a block-diagonal matrix), so XLA:CPU compiles one set of factorisation
+kernels per bucket instead of one per factor size.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_jax_lite as kl
+from kfac_jax_lite import linalg
+from tests import helpers
+
+# Input factors 9, 10, 11 (with bias) and output factors 9, 10, 3.
+SIZES = [8, 9, 10, 3]
+DAMPING = 1e-2
+
+
+def _estimator_and_state(**kw):
+  params = helpers.mlp_params(jax.random.PRNGKey(0), SIZES)
+  batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, SIZES[0],
+                                       SIZES[-1])
+  c = kl.scan(helpers.classifier_loss, params, batch)
+  est = kl.FisherEstimator(c, damping=DAMPING, **kw)
+  state = est.update_curvature(est.init(params), params, batch,
+                               jax.random.PRNGKey(2))
+  return est, state
+
+
+@pytest.mark.parametrize("kw", [
+    dict(exps=(-1,)),
+    dict(exps=(-1, -0.5)),
+    dict(exps=(-1,), compute_cholesky=True),
+    dict(exps=(-1, -0.5), compute_cholesky=True,
+         compute_cholesky_inverse=True),
+])
+def test_bucketed_refresh_equals_per_block_refresh(kw):
+  est, state = _estimator_and_state(**kw)
+  new = jax.jit(est.update_cache)(state)
+  for b, s, n in zip(est.blocks, state.blocks, new.blocks):
+    alone = b.update_cache(s, jnp.asarray(DAMPING, jnp.float32))
+    assert sorted(n.cache) == sorted(alone.cache)
+    for k in alone.cache:
+      assert n.cache[k].shape == alone.cache[k].shape, k
+      np.testing.assert_allclose(n.cache[k], alone.cache[k], rtol=2e-5,
+                                 atol=2e-5 * float(
+                                     jnp.max(jnp.abs(alone.cache[k]))))
+    np.testing.assert_allclose(n.damping, alone.damping)
+    helpers.assert_trees_close((n.a, n.g, n.weight, n.scale),
+                               (s.a, s.g, s.weight, s.scale), rtol=0)
+
+
+def test_padding_with_identity_is_exact_for_matrix_functions():
+  m = jax.random.normal(jax.random.PRNGKey(0), (7, 7))
+  m = m @ m.T
+  fn = lambda x, d: linalg.damped_factor_cache(  # noqa: E731
+      x, d, (-1.0, -0.5), True, True)
+  (padded,) = linalg.bucketed_map(fn, [m], [0.1])
+  direct = fn(m, 0.1)
+  p = linalg.pad_with_identity(m, 9)
+  np.testing.assert_allclose(p[:7, :7], m)
+  np.testing.assert_allclose(p[7:, 7:], jnp.eye(2))
+  np.testing.assert_allclose(p[:7, 7:], 0)
+  big = fn(p, 0.1)
+  for k in direct:
+    np.testing.assert_allclose(big[k][:7, :7], direct[k], rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(padded[k], direct[k], rtol=1e-6)
+
+
+def test_bucketing_rule_never_merges_distant_sizes():
+  ae = [785, 1001, 501, 251, 31, 251, 501, 1001, 1000, 500, 250, 30, 250,
+        500, 1000, 784]
+  buckets = linalg.size_buckets(ae)
+  assert sorted(n for n, _ in buckets) == [31, 251, 501, 785, 1001]
+  for size, idx in buckets:
+    for i in idx:
+      assert size >= ae[i]
+      assert size - ae[i] <= max(1, ae[i] // 16)
+  assert sorted(i for _, idx in buckets for i in idx) == list(range(len(ae)))
+  # 30 never joins 250 or 1000; 3 never joins 9; 784 never joins 1000.
+  for sizes in ([30, 1000], [30, 250], [3, 9, 10, 11], [784, 1000],
+                [1, 2, 4, 8, 16, 32]):
+    for size, idx in linalg.size_buckets(sizes):
+      for i in idx:
+        assert size - sizes[i] <= max(1, sizes[i] // 16), (sizes, size)
+  assert len(linalg.size_buckets([30, 1000])) == 2
+  assert len(linalg.size_buckets([3, 9, 10, 11])) == 3   # {3}, {9}, {10, 11}
+  assert linalg.size_buckets([100, 94, 93]) == [(100, [0]), (94, [1, 2])]
+
+
+def _lapack_calls(text):
+  """``(kernel, size)`` of every LAPACK custom call in a lowered program.
+
+  Each distinct shape of a jitted LAPACK wrapper (``linalg.cholesky``, ...)
+  is lowered once as a private function, so this lists the distinct
+  factorisation kernels XLA must compile.
+  """
+  return re.findall(r"custom_call @(lapack_\w+)\(.*?: \(tensor<(\d+)x\d+xf32>",
+                    text)
+
+
+def test_refresh_program_has_one_factorisation_size_per_bucket():
+  est, state = _estimator_and_state(exps=(-1,))
+  factor_sizes = {f.shape[0] for s in state.blocks for f in (s.a, s.g)}
+  assert factor_sizes == {9, 10, 11, 3}
+  text = jax.jit(est.update_cache).lower(state).as_text()
+  calls = _lapack_calls(text)
+  chol = sorted(int(n) for k, n in calls if k.startswith("lapack_spotrf"))
+  # Buckets {11 <- 10, 10, 11}, {9, 9}, {3}: three kernel sizes, not one
+  # per factor size (4) as without buckets.
+  assert chol == [3, 9, 11], calls
+  assert len(calls) == 6, calls    # Cholesky + triangular solve per size
+  assert len(calls) < 2 * len(factor_sizes)
+  # Still unbatched LAPACK (see test_linalg_batching).
+  assert not re.search(r"num_batch_dims = \"[1-9]", text)
