@@ -64,6 +64,41 @@ class EstimatorState(NamedTuple):
   params_weight: Any     # [] its EMA weight, or ()
 
 
+@jax.tree_util.register_pytree_node_class
+class GroupedState:
+  """An :class:`EstimatorState` with same-shaped blocks stacked (internal).
+
+  ``groups`` (static) lists the layer indices of each group of blocks that
+  differ only in their layer (:func:`_groups`); ``blocks`` holds one state
+  per group, stacked along a new leading axis when the group has more than
+  one layer. The transforms convert once per step
+  (:meth:`FisherEstimator.group_state` / :meth:`~FisherEstimator.ungroup_state`)
+  so that the statistics' EMA, the refresh's conditional and the products
+  see one array per group and leaf instead of one per layer: the compiled
+  step then has ``O(groups)`` kernels there instead of ``O(layers)``.
+  """
+
+  def __init__(self, groups, blocks, params_stats, params_weight):
+    self.groups = groups
+    self.blocks = blocks
+    self.params_stats = params_stats
+    self.params_weight = params_weight
+
+  def tree_flatten(self):
+    return (self.blocks, self.params_stats, self.params_weight), self.groups
+
+  @classmethod
+  def tree_unflatten(cls, groups, children):
+    return cls(groups, *children)
+
+  def replace(self, **kwargs):
+    fields = dict(groups=self.groups, blocks=self.blocks,
+                  params_stats=self.params_stats,
+                  params_weight=self.params_weight)
+    fields.update(kwargs)
+    return GroupedState(**fields)
+
+
 # ---------------------------------------------------------------------------
 # Cotangents at the loss tags.
 # ---------------------------------------------------------------------------
@@ -302,6 +337,41 @@ def _groups(blocks, states) -> list:
   return list(groups.values())
 
 
+def _shapes(tree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((x.shape, str(x.dtype)) for x in leaves)
+
+
+def _stack_group(trees):
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _unstack_group(tree, n) -> list:
+  return [jax.tree.map(lambda x, j=j: x[j], tree) for j in range(n)]
+
+
+def _run_grouped(groups, blocks, fn, *args, static=None):
+  """``fn(block, *args_i)`` per layer, one ``jax.vmap`` per group of indices.
+
+  Every group's blocks must be equal up to their layer and its ``args``
+  must have equal structures and shapes; ``args`` are per-layer lists (an
+  entry None is passed as None). ``static``: optional per-layer Python
+  values, equal within a group, passed last and unbatched.
+  """
+  out = [None] * len(blocks)
+  static = static if static is not None else [None] * len(blocks)
+  for idx in groups:
+    b, st = blocks[idx[0]], static[idx[0]]
+    if len(idx) == 1:
+      out[idx[0]] = fn(b, *[a[idx[0]] for a in args], st)
+      continue
+    stacked = [_stack_group([a[i] for i in idx]) for a in args]
+    res = jax.vmap(lambda *xs, b=b, st=st: fn(b, *xs, st))(*stacked)
+    for i, r in zip(idx, _unstack_group(res, len(idx))):
+      out[i] = r
+  return out
+
+
 def _grouped(blocks, states, fn, extra=None):
   """Applies ``fn(block, state, extra_i)`` per layer, vmapped per group.
 
@@ -311,20 +381,46 @@ def _grouped(blocks, states, fn, extra=None):
   layer.
   """
   extra = extra if extra is not None else [None] * len(blocks)
-  out = [None] * len(blocks)
-  for idx in _groups(blocks, states):
-    b = blocks[idx[0]]
-    if len(idx) == 1:
-      out[idx[0]] = fn(b, states[idx[0]], extra[idx[0]])
-      continue
-    stack = lambda *xs: jnp.stack(xs)  # noqa: E731
-    st = jax.tree.map(stack, *[states[i] for i in idx])
-    ex = None if extra[idx[0]] is None else jax.tree.map(
-        stack, *[extra[i] for i in idx])
-    res = jax.vmap(lambda s, e, b=b: fn(b, s, e))(st, ex)
-    for j, i in enumerate(idx):
-      out[i] = jax.tree.map(lambda x, j=j: x[j], res)
-  return out
+  return _run_grouped(_groups(blocks, states), blocks,
+                      lambda b, s, e, _: fn(b, s, e), states, extra)
+
+
+def _keyed_groups(keys) -> list:
+  groups = {}
+  for i, k in enumerate(keys):
+    groups.setdefault(k, []).append(i)
+  return list(groups.values())
+
+
+def _grouped_compute_stats(blocks, layer_data) -> list:
+  """``block.compute_stats(data)`` per layer, one ``vmap`` per group.
+
+  Layers whose blocks are equal up to their layer, with equal parameter
+  shapes and equal ``LayerData`` structure, shapes and (static) batch size,
+  are stacked: the statistics of ``L`` same-shaped layers are one batched
+  computation (one ``dot_general`` per factor for the group, not ``L``),
+  split back per layer.
+  """
+  data = [d._replace(batch_size=None) for d in layer_data]
+  sizes = [d.batch_size for d in layer_data]
+  keys = [(dataclasses.replace(b, layer=None), b.layer.param_shapes,
+           _shapes(d), n) for b, d, n in zip(blocks, data, sizes)]
+  return _run_grouped(
+      _keyed_groups(keys), blocks,
+      lambda b, d, n: b.compute_stats(d._replace(batch_size=n)),
+      data, static=sizes)
+
+
+def _grouped_update_curvature(blocks, states, stats, decay) -> list:
+  """``block.update_curvature(state, stats, decay)`` per layer, vmapped per
+  group of blocks equal up to their layer (with equal state and statistics
+  shapes). Each block still folds in only its own statistics, and only
+  when they are finite (the check is per slice under ``vmap``)."""
+  keys = [(_group_key(b, s), _shapes(st))
+          for b, s, st in zip(blocks, states, stats)]
+  return _run_grouped(
+      _keyed_groups(keys), blocks,
+      lambda b, s, st, _: b.update_curvature(s, st, decay), states, stats)
 
 
 def _bucketable(block) -> bool:
@@ -574,8 +670,8 @@ class FisherEstimator:
     return {f"{self.axis_name!r}, {self.stats_sync}": ()}
 
   def _stats_from_pass(self, p: _Pass, params):
-    block_stats = tuple(b.compute_stats(d)
-                        for b, d in zip(self.blocks, p.layer_data))
+    with jax.named_scope("kfac_stats"):
+      block_stats = tuple(_grouped_compute_stats(self.blocks, p.layer_data))
     params_stats = ()
     if self.compute_params_stats:
       batch_size = p.layer_data[0].batch_size if p.layer_data else 1
@@ -628,16 +724,90 @@ class FisherEstimator:
       stats = self.compute_stats(params, batch, rng)
     self._check_stats_tag(stats)
     decay = self.cov_ema_decay if ema_decay is None else ema_decay
-    new_blocks = tuple(b.update_curvature(s, st, decay) for b, s, st in zip(
-        self.blocks, state.blocks, stats["blocks"]))
+    with jax.named_scope("kfac_ema"):
+      if isinstance(state, GroupedState):
+        new_blocks = tuple(self._grouped_ema(state, stats["blocks"], decay))
+      else:
+        new_blocks = tuple(_grouped_update_curvature(
+            self.blocks, state.blocks, stats["blocks"], decay))
     ps, pw = state.params_stats, state.params_weight
     if self.compute_params_stats:
       finite = linalg.all_finite(stats["params"])
       new_ps, new_pw = linalg.ema(ps, stats["params"], pw, decay)
       ps = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_ps, ps)
       pw = jnp.where(finite, new_pw, pw)
+    if isinstance(state, GroupedState):
+      return state.replace(blocks=new_blocks, params_stats=ps,
+                           params_weight=pw)
     return EstimatorState(blocks=new_blocks, params_stats=ps,
                           params_weight=pw)
+
+  # ---- grouped (stacked) states ------------------------------------------
+  def group_state(self, state: EstimatorState) -> GroupedState:
+    """Stacks the states of blocks that differ only in their layer.
+
+    :meth:`update_curvature`, :meth:`update_cache` and the products accept
+    the result (and return a :class:`GroupedState` for one); every layer's
+    results are the same as with the per-layer state. Convert back with
+    :meth:`ungroup_state`.
+    """
+    if isinstance(state, GroupedState):
+      return state
+    groups = tuple(tuple(g) for g in _groups(self.blocks, state.blocks))
+    blocks = tuple(state.blocks[g[0]] if len(g) == 1 else
+                   _stack_group([state.blocks[i] for i in g]) for g in groups)
+    return GroupedState(groups, blocks, state.params_stats,
+                        state.params_weight)
+
+  def ungroup_state(self, state) -> EstimatorState:
+    """The per-layer :class:`EstimatorState` of a :class:`GroupedState`."""
+    if not isinstance(state, GroupedState):
+      return state
+    blocks = [None] * len(self.blocks)
+    for g, st in zip(state.groups, state.blocks):
+      parts = [st] if len(g) == 1 else _unstack_group(st, len(g))
+      for i, part in zip(g, parts):
+        blocks[i] = part
+    return EstimatorState(blocks=tuple(blocks),
+                          params_stats=state.params_stats,
+                          params_weight=state.params_weight)
+
+  def _grouped_ema(self, state: GroupedState, stats, decay) -> list:
+    out = []
+    for g, st in zip(state.groups, state.blocks):
+      b = self.blocks[g[0]]
+      if len(g) == 1:
+        out.append(b.update_curvature(st, stats[g[0]], decay))
+        continue
+      members = [stats[i] for i in g]
+      if len({_shapes(m) for m in members}) == 1:
+        out.append(jax.vmap(lambda s_, x, b=b: b.update_curvature(
+            s_, x, decay))(st, _stack_group(members)))
+      else:  # Statistics of different shapes: one layer at a time.
+        out.append(_stack_group([
+            b.update_curvature(s_, x, decay)
+            for s_, x in zip(_unstack_group(st, len(g)), members)]))
+    return out
+
+  def _grouped_update_cache(self, state: GroupedState, damping,
+                            layers=None) -> GroupedState:
+    wanted = None if layers is None else set(layers)
+    out = []
+    for g, st in zip(state.groups, state.blocks):
+      b = self.blocks[g[0]]
+      fn = lambda s_, b=b: b.update_cache(s_, damping)  # noqa: E731
+      pos = [j for j, i in enumerate(g) if wanted is None or i in wanted]
+      if not pos:
+        out.append(st)
+      elif len(g) == 1:
+        out.append(fn(st))
+      elif len(pos) == len(g):
+        out.append(jax.vmap(fn)(st))
+      else:  # A staggered refresh: only some layers of the group.
+        idx = jnp.asarray(pos)
+        new = jax.vmap(fn)(jax.tree.map(lambda x: x[idx], st))
+        out.append(jax.tree.map(lambda x, n: x.at[idx].set(n), st, new))
+    return state.replace(blocks=tuple(out))
 
   def sync_factors(self, state: EstimatorState, layers=None):
     """Averages the factors over ``axis_name`` (no-op without an axis).
@@ -680,6 +850,11 @@ class FisherEstimator:
     """
     damping = self.damping if damping is None else damping
     damping = jnp.asarray(damping, linalg.factor_dtype())
+    if isinstance(state, GroupedState):
+      if (self.stats_sync == "before_refresh" or self.distributed_inverses):
+        return self.group_state(self.update_cache(
+            self.ungroup_state(state), damping, layers))
+      return self._grouped_update_cache(state, damping, layers)
     idx = range(len(self.blocks)) if layers is None else tuple(layers)
     if self.stats_sync == "before_refresh":
       state = self.sync_factors(state, idx)
@@ -711,7 +886,19 @@ class FisherEstimator:
 
   def _apply(self, state, v, fn: Callable):
     leaves, parts = self._split(v)
-    out = _grouped(self.blocks, state.blocks, fn, parts)
+    if not isinstance(state, GroupedState):
+      out = _grouped(self.blocks, state.blocks, fn, parts)
+      return self._merge(v, leaves, out)
+    out = [None] * len(self.blocks)
+    for g, st in zip(state.groups, state.blocks):
+      b = self.blocks[g[0]]
+      if len(g) == 1:
+        out[g[0]] = fn(b, st, parts[g[0]])
+        continue
+      res = jax.vmap(lambda s_, x, b=b: fn(b, s_, x))(
+          st, _stack_group([parts[i] for i in g]))
+      for i, r in zip(g, _unstack_group(res, len(g))):
+        out[i] = r
     return self._merge(v, leaves, out)
 
   def multiply_matpower(self, state, v, exp):
@@ -737,6 +924,7 @@ class FisherEstimator:
 
   def full_fisher(self, state):
     """Undamped dense block-diagonal ``[P, P]``, ``ravel_pytree`` order."""
+    state = self.ungroup_state(state)
     sizes = [int(math.prod(s)) for s in _leaf_shapes(self.collection)]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     total = sum(sizes)

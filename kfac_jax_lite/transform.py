@@ -160,6 +160,11 @@ class Curvature:
     # The estimator folds the key with the axis index (per-replica draws).
     key, next_rng = jax.random.split(state.rng)
     count = state.count
+    # Same-shaped blocks stacked for the whole step (one array per group
+    # and leaf through the EMA and the refresh's conditional; see
+    # estimator.GroupedState), split back per layer once at the end.
+    est = self.estimator
+    grouped = est.group_state(state.estimator)
 
     def cov_update(s):
       st = stats(key) if callable(stats) else stats
@@ -167,10 +172,10 @@ class Curvature:
 
     if self._static_every_step(self.cov_update_period):
       do_cov = jnp.asarray(True)
-      est_state = cov_update(state.estimator)
+      est_state = cov_update(grouped)
     else:
       do_cov = (count % self.cov_update_period) == 0
-      est_state = lax.cond(do_cov, cov_update, lambda s: s, state.estimator)
+      est_state = lax.cond(do_cov, cov_update, lambda s: s, grouped)
     if gate is not None:
       # The factors are not selected: every block already folds in only
       # finite statistics (blocks.base.ema_update). A select of every
@@ -186,7 +191,7 @@ class Curvature:
         count=count + (1 if gate is None else one(gate)), rng=next_rng,
         num_cov_updates=state.num_cov_updates + one(do_cov),
         num_inverse_updates=state.num_inverse_updates + one(do_inv),
-        estimator=est_state)
+        estimator=est.ungroup_state(est_state))
 
 
 def select_tree(pred, new, old):

@@ -1,0 +1,192 @@
+"""Statistics and EMA computed once per group of same-shaped layers.
+
+The estimator stacks layers whose blocks differ only in their layer and
+runs ``compute_stats`` / ``update_curvature`` / ``update_cache`` under one
+``jax.vmap`` per group. These tests check that every layer's results are
+those of its own block, that a non-finite statistic of one layer leaves
+only that layer's factors as they were, and that the number of statistics
+``dot_general``s does not grow with the number of same-shaped layers.
+"""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_lite as kl
+from kfac_jax_lite import estimator as estimator_lib
+from tests import helpers
+
+# 8 -> 6 (different), three identical 6 -> 6 layers, 6 -> 3 (different).
+SIZES = [8, 6, 6, 6, 6, 3]
+
+
+def _problem(sizes=SIZES, n=5):
+  params = helpers.mlp_params(jax.random.PRNGKey(0), sizes)
+  batch = helpers.classification_batch(jax.random.PRNGKey(1), n, sizes[0],
+                                       sizes[-1])
+  return params, batch, helpers.classifier_loss
+
+
+def _estimator(sizes=SIZES, **kwargs):
+  params, batch, loss_fn = _problem(sizes)
+  collection = kl.scan(loss_fn, params, batch)
+  return kl.FisherEstimator(collection, **kwargs), params, batch
+
+
+def _per_layer_stats(est, params, batch, rng):
+  """Each block's compute_stats on its own LayerData (no grouping)."""
+  lin = est.linearize(params, batch)
+  p = estimator_lib._statistics_pass(  # pylint: disable=protected-access
+      lin, est.blocks, rng, est.estimation_mode, est.num_samples, False)
+  return tuple(b.compute_stats(d) for b, d in zip(est.blocks, p.layer_data))
+
+
+def _some_state(est, params, batch):
+  """A state with distinct factors per layer (two updates, one refresh)."""
+  state = est.init(params)
+  for k in range(2):
+    state = est.update_curvature(state, params, batch, jax.random.PRNGKey(k))
+  return est.update_cache(state)
+
+
+def test_layers_are_grouped():
+  est, params, _ = _estimator()
+  state = est.init(params)
+  groups = sorted(sorted(g) for g in estimator_lib._groups(  # pylint: disable=protected-access
+      est.blocks, state.blocks))
+  assert groups == [[0], [1, 2, 3], [4]]
+
+
+def test_grouped_statistics_equal_per_layer_statistics():
+  est, params, batch = _estimator()
+  rng = jax.random.PRNGKey(3)
+  got = jax.jit(lambda p, b: est.compute_stats(p, b, rng))(params, batch)
+  want = jax.jit(lambda p, b: _per_layer_stats(est, p, b, rng))(params,
+                                                                batch)
+  assert len(got["blocks"]) == len(want) == 5
+  for g, w in zip(got["blocks"], want):
+    assert jax.tree.structure(g) == jax.tree.structure(w)
+    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _per_layer_ema(est, state, stats, decay):
+  return tuple(b.update_curvature(s, st, decay) for b, s, st in zip(
+      est.blocks, state.blocks, stats["blocks"]))
+
+
+@pytest.mark.parametrize("nan_layer", [None, 2, 0])
+@pytest.mark.parametrize("grouped_state", [False, True])
+def test_grouped_ema_equals_per_layer_ema(nan_layer, grouped_state):
+  est, params, batch = _estimator()
+  state = _some_state(est, params, batch)
+  stats = est.compute_stats(params, batch, jax.random.PRNGKey(7))
+  if nan_layer is not None:
+    blocks = list(stats["blocks"])
+    blocks[nan_layer] = dict(blocks[nan_layer])
+    blocks[nan_layer]["a"] = blocks[nan_layer]["a"].at[0, 1].set(jnp.nan)
+    stats = dict(stats, blocks=tuple(blocks))
+
+  def grouped(state, stats):
+    if grouped_state:
+      return est.ungroup_state(est.update_curvature(
+          est.group_state(state), stats=stats, ema_decay=0.9))
+    return est.update_curvature(state, stats=stats, ema_decay=0.9)
+
+  got = jax.jit(grouped)(state, stats).blocks
+  want = jax.jit(lambda s, st: _per_layer_ema(est, s, st, 0.9))(state, stats)
+  for i, (g, w, old) in enumerate(zip(got, want, state.blocks)):
+    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+      np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    if i == nan_layer:  # Only this layer keeps its old factors and weight.
+      np.testing.assert_array_equal(g.a, old.a)
+      np.testing.assert_array_equal(g.g, old.g)
+      np.testing.assert_array_equal(g.weight, old.weight)
+    else:
+      assert np.all(np.isfinite(g.a))
+      assert not np.array_equal(g.a, old.a)
+      assert g.weight > old.weight
+
+
+@pytest.mark.parametrize("layers", [None, (0, 2), (1, 2, 3)])
+def test_grouped_state_refresh_and_products_equal_per_layer(layers):
+  est, params, batch = _estimator()
+  state = est.init(params)
+  state = est.update_curvature(state, params, batch, jax.random.PRNGKey(0))
+  want = est.update_cache(state, 1e-2, layers)
+  got = est.ungroup_state(est.update_cache(est.group_state(state), 1e-2,
+                                           layers))
+  for i, (g, w) in enumerate(zip(got.blocks, want.blocks)):
+    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    if layers is not None and i not in layers:
+      for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(state.blocks[i])):
+        np.testing.assert_array_equal(x, y)
+  grads = jax.grad(helpers.classifier_loss)(params, batch)
+  helpers.assert_trees_close(
+      est.multiply_inverse(est.group_state(want), grads),
+      est.multiply_inverse(want, grads), 1e-5)
+
+
+def test_transform_step_matches_ungrouped_reference():
+  """kfac() (grouped state inside its step) against the estimator used
+  layer by layer: same preconditioned direction after a few steps."""
+  params, batch, loss_fn = _problem()
+  collection = kl.scan(loss_fn, params, batch)
+  tx = kl.scale_by_kfac(collection, damping=1e-2, inverse_update_period=1)
+  state = tx.init(params)
+  est = kl.FisherEstimator(collection, damping=1e-2, cov_ema_decay=0.95)
+  ref = est.init(params)
+  for _ in range(2):
+    grads = jax.grad(loss_fn)(params, batch)
+    key = jax.random.split(state.rng)[0]
+    direction, state = jax.jit(
+        lambda g, s: tx.update(g, s, params, batch=batch))(grads, state)
+    stats = _per_layer_stats(est, params, batch, key)
+    ref = ref._replace(blocks=tuple(
+        b.update_curvature(s, st, 0.95) for b, s, st in zip(
+            est.blocks, ref.blocks, stats)))
+    ref = ref._replace(blocks=tuple(
+        b.update_cache(s, 1e-2) for b, s in zip(est.blocks, ref.blocks)))
+    helpers.assert_trees_close(direction, est.multiply_inverse(ref, grads),
+                               1e-4)
+
+
+def _count(jaxpr, primitive, scope) -> int:
+  """``primitive`` equations under ``jax.named_scope(scope)``, recursively."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == primitive
+        and scope in str(eqn.source_info.name_stack)):
+      n += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += _count(sub, primitive, scope)
+  return n
+
+
+def test_statistics_dots_do_not_grow_with_same_shaped_layers():
+  counts = []
+  for depth in (2, 6):
+    sizes = [8] + [6] * depth + [3]
+    params, batch, loss_fn = _problem(sizes)
+    collection = kl.scan(loss_fn, params, batch)
+    vgs = kl.value_grad_and_stats(loss_fn, collection)
+    jaxpr = jax.make_jaxpr(vgs)(params, batch, jax.random.PRNGKey(0))
+    counts.append(_count(jaxpr.jaxpr, "dot_general", "kfac_stats"))
+  # A and G of 3 groups (first, the same-shaped middle ones, last).
+  assert counts[0] == counts[1] == 6, counts
+
+
+def test_ema_checks_do_not_grow_with_same_shaped_layers():
+  counts = []
+  for depth in (2, 6):
+    est, params, batch = _estimator([8] + [6] * depth + [3])
+    state = est.init(params)
+    stats = est.compute_stats(params, batch, jax.random.PRNGKey(0))
+    jaxpr = jax.make_jaxpr(lambda s, st: est.update_curvature(
+        s, stats=st))(state, stats)
+    counts.append(_count(jaxpr.jaxpr, "is_finite", "kfac_ema"))
+  assert counts[0] == counts[1] == 3, counts
