@@ -793,14 +793,21 @@ class FisherEstimator:
                             layers=None) -> GroupedState:
     wanted = None if layers is None else set(layers)
     out = []
-    for g, st in zip(state.groups, state.blocks):
+    # Layers without a same-shaped twin are refreshed together, so that
+    # factors of nearby sizes share padded buckets (_bucketed_update_cache).
+    alone = [k for k, g in enumerate(state.groups) if len(g) == 1 and (
+        wanted is None or g[0] in wanted)]
+    refreshed = dict(zip(alone, _bucketed_update_cache(
+        [self.blocks[state.groups[k][0]] for k in alone],
+        [state.blocks[k] for k in alone], damping)))
+    for k, (g, st) in enumerate(zip(state.groups, state.blocks)):
       b = self.blocks[g[0]]
       fn = lambda s_, b=b: b.update_cache(s_, damping)  # noqa: E731
       pos = [j for j, i in enumerate(g) if wanted is None or i in wanted]
-      if not pos:
+      if k in refreshed:
+        out.append(refreshed[k])
+      elif not pos:
         out.append(st)
-      elif len(g) == 1:
-        out.append(fn(st))
       elif len(pos) == len(g):
         out.append(jax.vmap(fn)(st))
       else:  # A staggered refresh: only some layers of the group.

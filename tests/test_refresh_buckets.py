@@ -121,3 +121,19 @@ def test_refresh_program_has_one_factorisation_size_per_bucket():
   assert len(calls) < 2 * len(factor_sizes)
   # Still unbatched LAPACK (see test_linalg_batching).
   assert not re.search(r"num_batch_dims = \"[1-9]", text)
+
+
+def test_the_transforms_refresh_through_the_buckets_too():
+  """``scale_by_kfac`` keeps its state grouped (Curvature.step); layers
+  without a same-shaped twin still share padded buckets there."""
+  params = helpers.mlp_params(jax.random.PRNGKey(0), SIZES)
+  batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, SIZES[0],
+                                       SIZES[-1])
+  c = kl.scan(helpers.classifier_loss, params, batch)
+  tx = kl.scale_by_kfac(c, damping=DAMPING, inverse_update_period=1)
+  grads = jax.grad(helpers.classifier_loss)(params, batch)
+  text = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b)).lower(
+      grads, tx.init(params), params, batch).as_text()
+  chol = sorted(int(n) for k, n in _lapack_calls(text)
+                if k.startswith("lapack_spotrf"))
+  assert chol == [3, 9, 11], chol
