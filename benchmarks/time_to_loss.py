@@ -11,7 +11,8 @@ plus ``1e-5 · ½‖θ‖²``), batch 500, the same batch sequence for every run
    steps (default 600 and 2000; those beyond ``--adam-steps`` are dropped).
 3. ``kfac_optimizer`` at its defaults (plus ``l2_reg=1e-5``, the
    regulariser's curvature) runs until it is below every target, or for
-   ``--kfac-max-steps`` steps.
+   ``--kfac-max-steps`` steps; so does each other ``--stats-fractions``
+   entry (default ``0.25``: the curvature from a quarter of each batch).
 
 "Loss" is the trailing mean of the last ``--window`` batch losses (each
 measured before its step's update). A run reaches a target at the first
@@ -167,6 +168,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="Adam step counts whose losses are the targets")
   p.add_argument("--kfac-max-steps", type=int, default=1000)
   p.add_argument("--batch-size", type=int, default=500)
+  p.add_argument("--stats-fractions", default="1,0.25",
+                 help="one kfac_optimizer run per stats_fraction (1: its "
+                 "default)")
   p.add_argument("--window", type=int, default=20)
   p.add_argument("--log-every", type=int, default=100)
   p.add_argument("--seed", type=int, default=0)
@@ -195,17 +199,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
   collection = kfac_jax_lite.scan(ae.loss_fn, params,
                                   images[:args.batch_size])
-  tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2)
-  print("kfac_optimizer (defaults, l2_reg=1e-5)", flush=True)
-  kfac_step = ae.make_kfac_step(collection, tx)
-  curves["kfac_optimizer"] = run_until(
-      "kfac", kfac_step, params, tx.init(params), images, args,
-      max_steps=args.kfac_max_steps, stop_below=min(t for _, t in targets))
+  kfac_names, kfac_steps = [], {}
+  for fraction in (float(f) for f in args.stats_fractions.split(",")):
+    name = "kfac_optimizer" + ("" if fraction == 1.0 else
+                               f" stats_fraction={fraction:g}")
+    tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2,
+                                      stats_fraction=fraction)
+    print(f"{name} (defaults otherwise, l2_reg=1e-5)", flush=True)
+    kfac_step = ae.make_kfac_step(collection, tx)
+    curves[name] = run_until(
+        name, kfac_step, params, tx.init(params), images, args,
+        max_steps=args.kfac_max_steps, stop_below=min(t for _, t in targets))
+    kfac_names.append(name)
+    kfac_steps[name] = (kfac_step, tx)
   best_lr = float(best.split()[1])
   adam_tx = optax.adam(best_lr)
   per_step = interleaved_step_times(
-      {"kfac": (kfac_step, tx), "adam": (ae.make_adam_step(adam_tx),
-                                         adam_tx)},
+      {**kfac_steps, "adam": (ae.make_adam_step(adam_tx), adam_tx)},
       params, images, args)
 
   print(f"\nautoencoder, batch {args.batch_size}; jax {jax.__version__}, "
@@ -220,32 +230,37 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       print(f"| {name[5:]}{' (best)' if name == best else ''} | "
             f"{ae.loss_at_step(run, args.adam_steps, args.window):.2f} | "
             f"{run['times'][-1]:.1f} | {run['first_call_s']:.1f}s |")
-  k, a = curves["kfac_optimizer"], curves[best]
-  print(f"\n| target ({best} loss) | adam steps | adam s | kfac_opt steps | "
-        "kfac_opt s | time ratio kfac/adam | steps ratio | ratio from "
+  a = curves[best]
+  print(f"\n| K-FAC | target ({best} loss) | adam steps | adam s | K-FAC "
+        "steps | K-FAC s | time ratio K-FAC/adam | steps ratio | ratio from "
         "interleaved step times |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   rows = []
-  for name, target in targets:
-    sa, ta = reach(a, target, args.window)
-    sk, tk = reach(k, target, args.window)
-    rows.append({"target": name, "loss": target, "adam_steps": sa,
-                 "adam_s": ta, "kfac_steps": sk, "kfac_s": tk,
-                 "time_ratio": tk / ta, "steps_ratio": sk / sa,
-                 "interleaved_ratio": sk * per_step["kfac"] / (
-                     sa * per_step["adam"])})
-    print(f"| {name}: {target:.2f} | {sa} | {ta:.1f} | {sk} | {tk:.1f} | "
-          f"{tk / ta:.2f}x | {sk / sa:.3f} | "
-          f"{rows[-1]['interleaved_ratio']:.2f}x |")
-  print(f"\nmean step time, interleaved (5 rounds of 10 steps each): "
-        f"kfac_optimizer {1e3 * per_step['kfac']:.0f} ms, adam "
-        f"{1e3 * per_step['adam']:.0f} ms "
-        f"({per_step['kfac'] / per_step['adam']:.2f}x); "
-        "last column: steps ratio x step-time ratio, which load bursts "
-        "during one run do not skew")
-  print(f"first call (trace + compile + one step): kfac_optimizer "
-        f"{k['first_call_s']:.1f}s, adam {a['first_call_s']:.1f}s (not in "
-        "the times above)")
+  for kname in kfac_names:
+    k = curves[kname]
+    for name, target in targets:
+      sa, ta = reach(a, target, args.window)
+      sk, tk = reach(k, target, args.window)
+      rows.append({"kfac": kname, "target": name, "loss": target,
+                   "adam_steps": sa, "adam_s": ta, "kfac_steps": sk,
+                   "kfac_s": tk, "time_ratio": tk / ta,
+                   "steps_ratio": sk / sa,
+                   "interleaved_ratio": sk * per_step[kname] / (
+                       sa * per_step["adam"])})
+      print(f"| {kname} | {name}: {target:.2f} | {sa} | {ta:.1f} | {sk} | "
+            f"{tk:.1f} | {tk / ta:.2f}x | {sk / sa:.3f} | "
+            f"{rows[-1]['interleaved_ratio']:.2f}x |")
+  print("\nmean step time, interleaved (5 rounds of 10 steps each): "
+        + ", ".join(f"{n} {1e3 * per_step[n]:.0f} ms ("
+                    f"{per_step[n] / per_step['adam']:.2f}x)"
+                    for n in kfac_names)
+        + f", adam {1e3 * per_step['adam']:.0f} ms; last column: steps "
+        "ratio x step-time ratio, which load bursts during one run do not "
+        "skew")
+  print("first call (trace + compile + one step): "
+        + ", ".join(f"{n} {curves[n]['first_call_s']:.1f}s"
+                    for n in kfac_names)
+        + f", adam {a['first_call_s']:.1f}s (not in the times above)")
   plot(curves, targets, args.out, args.window)
   print(f"wrote {args.out}")
   return {"curves": curves, "targets": targets, "rows": rows,

@@ -247,9 +247,11 @@ class _Pass:
   param_grads_all: Any   # [S, leaf] grads of the summed source losses, or None
 
 
-def stats_rows(batch_size: int, fraction: float) -> int:
-  """``⌈fraction · B⌉``: the examples whose rows enter the factors."""
-  return max(1, min(batch_size, math.ceil(fraction * batch_size - 1e-9)))
+def stats_rows(batch_size: int, fraction: float, minimum: int = 1) -> int:
+  """``min(B, max(⌈fraction · B⌉, minimum))``: the examples whose rows
+  enter the factors."""
+  rows = max(minimum, math.ceil(fraction * batch_size - 1e-9))
+  return max(1, min(batch_size, rows))
 
 
 def _first_examples(x, axis: int, rows: int):
@@ -261,7 +263,7 @@ def _first_examples(x, axis: int, rows: int):
 
 def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
                      need_all_param_grads, axis_name=None,
-                     fraction: float = 1.0) -> _Pass:
+                     fraction: float = 1.0, min_rows: int = 1) -> _Pass:
   collection = lin.collection
   cts = _loss_cotangents(mode, collection.losses, lin.zs, lin.targets, key,
                          num_samples)
@@ -292,7 +294,7 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
   # [T1..Tk, B, ...] and output gradients [S, T1..Tk, B, ...].
   # Blocks from summed parameter gradients keep the whole batch (their
   # sites may have no batch axis at all).
-  rows = stats_rows(batch_size, fraction)
+  rows = stats_rows(batch_size, fraction, min_rows)
   data = []
   for layer, block in zip(collection.layers, blocks):
     sites = sites_of.get(layer.param_indices, [])
@@ -520,10 +522,12 @@ class FisherEstimator:
       of all ``B``: the outer products cost ``f`` times as much, and the
       EMA over steps makes up for the noisier minibatch estimate (TF
       K-FAC's ``sub_sample_outer_products`` / ``sub_sample_inputs`` make
-      the same trade). Take shuffled batches: the subset is the first
-      ``m``, not a random draw. Blocks built from summed parameter
+      the same trade). ``m`` is at least ``stats_min_examples`` (or the
+      whole batch, if smaller), so small batches keep every example. Take
+      shuffled batches: the subset is the first ``m``, not a random draw. Blocks built from summed parameter
       gradients (``full``, ``diagonal`` over generic layers) always use
       the whole batch; so do the gradient and the loss.
+    stats_min_examples: the floor on ``m`` above (default 64).
 
   Example:
     >>> est = FisherEstimator(collection, damping=1e-3)
@@ -546,6 +550,7 @@ class FisherEstimator:
   stats_sync: str = "every_update"
   distributed_inverses: bool = False
   stats_fraction: float = 1.0
+  stats_min_examples: int = 64
 
   def __post_init__(self):
     if not isinstance(self.collection, LayerCollection):
@@ -567,6 +572,11 @@ class FisherEstimator:
           f"stats_fraction={self.stats_fraction!r} must be a number in "
           "(0, 1]: the fraction of each batch whose examples enter the "
           "factors (1.0 uses every example).")
+    if isinstance(self.stats_min_examples, bool) or not isinstance(
+        self.stats_min_examples, int) or self.stats_min_examples < 1:
+      raise ValueError(
+          f"stats_min_examples={self.stats_min_examples!r} must be a "
+          "positive int: the fewest examples stats_fraction may keep.")
     if not isinstance(self.num_samples, int) or self.num_samples < 1:
       raise ValueError(
           f"num_samples={self.num_samples!r} must be a positive int.")
@@ -625,7 +635,8 @@ class FisherEstimator:
     first ``m`` rows, the Fisher products the whole batch.
     """
     total = lin.zs[0].shape[0] if lin.zs else 0
-    rows = stats_rows(total, self.stats_fraction) if total else 0
+    rows = stats_rows(total, self.stats_fraction,
+                      self.stats_min_examples) if total else 0
     if rows == total:
       return lin
     head = jax.tree.map(
@@ -660,7 +671,8 @@ class FisherEstimator:
     p = _statistics_pass(lin, self.blocks, rng, self.estimation_mode,
                          self.num_samples, self.compute_params_stats,
                          self.axis_name,
-                         1.0 if lin.head_only else self.stats_fraction)
+                         1.0 if lin.head_only else self.stats_fraction,
+                         self.stats_min_examples)
     return self._stats_from_pass(p, lin.params)
 
   def _stats_tag(self) -> dict:
@@ -970,6 +982,7 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
                          axis_name: Any = None,
                          stats_sync: str = "every_update",
                          stats_fraction: float = 1.0,
+                         stats_min_examples: int = 64,
                          estimator: Optional[FisherEstimator] = None):
   """Loss, gradient and curvature statistics from one forward pass.
 
@@ -990,7 +1003,8 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
     estimation_mode: as :class:`FisherEstimator`; must match the consumer.
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
     num_samples: target draws per example.
-    axis_name, stats_sync, stats_fraction: as :class:`FisherEstimator`.
+    axis_name, stats_sync, stats_fraction, stats_min_examples: as
+      :class:`FisherEstimator`.
     estimator: use this estimator's blocks and options instead.
   """
   if loss_fn is not collection.loss_fn:
@@ -1004,7 +1018,7 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
   est = estimator or FisherEstimator(
       collection, estimation_mode=estimation_mode, num_samples=num_samples,
       axis_name=axis_name, stats_sync=stats_sync,
-      stats_fraction=stats_fraction)
+      stats_fraction=stats_fraction, stats_min_examples=stats_min_examples)
 
   def fn(params, batch, rng):
     lin = est.linearize(params, batch)

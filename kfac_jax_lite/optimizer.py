@@ -175,15 +175,19 @@ def kfac_optimizer(collection: LayerCollection, *,
     **curvature_kwargs: ``cov_ema_decay``, ``cov_update_period``,
       ``inverse_update_period``, ``estimation_mode``, ``axis_name``,
       ``seed``, ``stagger_inverse_updates`` and estimator options, as for
-      :func:`kfac_jax_lite.scale_by_kfac`. With ``stats_fraction=f < 1``
-      the whole curvature side runs on the first ``⌈f·B⌉`` examples of the
-      batch: the factors' statistics, and the Fisher products ``M`` of the
-      quadratic model, from a second forward pass over those examples only
-      (:meth:`FisherEstimator.linearize_head`); the gradient and the loss
-      stay the whole batch's. On the 784-1000-...-784 autoencoder at batch
-      500 ``f = 0.25`` cuts the XLA flop count of a step without refresh
-      from 35 to 22 GFLOP
-      (``benchmarks/step_time.py``).
+      :func:`kfac_jax_lite.scale_by_kfac`. ``stats_fraction`` defaults to
+      ``0.25`` here (1 elsewhere), with ``stats_min_examples=64``: the
+      whole curvature side runs on the first ``m = max(⌈B/4⌉, 64)``
+      examples of the batch (all of them when ``B ≤ 64``): the factors'
+      statistics, and the Fisher products ``M`` of the quadratic model,
+      from a second forward pass over those examples only
+      (:meth:`FisherEstimator.linearize_head`); the gradient, the loss and
+      ``ρ`` stay the whole batch's. On the 784-1000-...-784 autoencoder at
+      batch 500 this cuts the XLA flop count of a step without refresh
+      from 35 to 22 GFLOP, and the steps needed to reach Adam's losses
+      grew by 2-6% (``benchmarks/time_to_loss.py``). ``stats_fraction=1.0``
+      is the textbook algorithm (e.g. one exact step on a linear least
+      squares problem).
 
   Steps with non-finite gradients or statistics leave the parameters and
   the whole state untouched and are counted in ``state.num_skipped``.
@@ -211,7 +215,8 @@ def kfac_optimizer(collection: LayerCollection, *,
   transform.check_period("damping_adaptation_interval",
                          damping_adaptation_interval)
   kw = dict(cov_ema_decay=0.95, cov_update_period=1, inverse_update_period=5,
-            estimation_mode="gradients", axis_name=None, seed=0)
+            estimation_mode="gradients", axis_name=None, seed=0,
+            stats_fraction=0.25)
   curvature_kwargs = transform.unnest_kwargs(curvature_kwargs,
                                              "curvature_kwargs")
   stagger = curvature_kwargs.pop("stagger_inverse_updates", False)

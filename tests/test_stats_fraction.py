@@ -21,7 +21,8 @@ def _problem(n=8, seed=0):
 def _stats(collection, params, batch, fraction, mode="exact", **kw):
   vgs = kl.value_grad_and_stats(collection.loss_fn, collection,
                                 estimation_mode=mode,
-                                stats_fraction=fraction, **kw)
+                                stats_fraction=fraction,
+                                stats_min_examples=1, **kw)
   return vgs(params, batch, jax.random.PRNGKey(3))
 
 
@@ -85,12 +86,42 @@ def test_bad_fraction_names_the_argument(bad):
     kl.FisherEstimator(collection, stats_fraction=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True])
+def test_bad_minimum_names_the_argument(bad):
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  with pytest.raises(ValueError, match="stats_min_examples"):
+    kl.FisherEstimator(collection, stats_min_examples=bad)
+
+
+@pytest.mark.parametrize("batch_size,fraction,minimum,rows", [
+    (500, 0.25, 64, 125), (200, 0.25, 64, 64), (40, 0.25, 64, 40),
+    (8, 0.5, 1, 4), (8, 0.3, 1, 3), (10, 1.0, 64, 10)])
+def test_rows_are_a_fraction_with_a_floor(batch_size, fraction, minimum,
+                                          rows):
+  assert kl.estimator.stats_rows(batch_size, fraction, minimum) == rows
+
+
+def test_small_batches_keep_every_example_by_default():
+  params, batch = _problem()          # 8 examples < 64
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  vgs = lambda **kw: kl.value_grad_and_stats(  # noqa: E731
+      collection.loss_fn, collection, estimation_mode="exact", **kw)(
+          params, batch, jax.random.PRNGKey(0))[2]
+  jax.tree.map(np.testing.assert_array_equal,
+               vgs(stats_fraction=0.25)["blocks"], vgs()["blocks"])
+  est = kl.FisherEstimator(collection, stats_fraction=0.25)
+  lin = est.linearize(params, batch)
+  assert est.linearize_head(params, batch, lin) is lin
+
+
 def test_transforms_pass_the_fraction_to_their_estimator():
   params, batch = _problem()
   collection = kl.scan(helpers.classifier_loss, params, batch)
   for tx in (kl.kfac(1e-2, collection, stats_fraction=0.5,
-                     estimation_mode="exact"),
+                     stats_min_examples=1, estimation_mode="exact"),
              kl.kfac_optimizer(collection, stats_fraction=0.5,
+                               stats_min_examples=1,
                                estimation_mode="exact")):
     state = tx.init(params)
     grads = jax.grad(helpers.classifier_loss)(params, batch)
@@ -159,7 +190,8 @@ def test_scan_over_time_slices_the_batch_not_the_time_axis():
 def test_optimizer_fisher_products_come_from_the_head_of_the_batch():
   params, batch = _problem()
   collection = kl.scan(helpers.classifier_loss, params, batch)
-  est = kl.FisherEstimator(collection, stats_fraction=0.5)
+  est = kl.FisherEstimator(collection, stats_fraction=0.5,
+                           stats_min_examples=1)
   lin = est.linearize(params, batch)
   head = est.linearize_head(params, batch, lin)
   assert head is not lin and head.head_only
@@ -175,7 +207,7 @@ def test_optimizer_fisher_products_come_from_the_head_of_the_batch():
   # Its statistics use every one of its rows (it is the head already).
   rng = jax.random.PRNGKey(0)
   exact = kl.FisherEstimator(collection, stats_fraction=0.5,
-                             estimation_mode="exact")
+                             stats_min_examples=1, estimation_mode="exact")
   stats = exact.stats_from(exact.linearize_head(params, batch, lin), rng)
   ref = exact.stats_from(exact.linearize(params, batch), rng)
   np.testing.assert_allclose(stats["blocks"][0]["a"], ref["blocks"][0]["a"],
@@ -193,7 +225,8 @@ def test_time_major_batch_warns_and_keeps_the_whole_batch():
   x = _normal((5, 8, 3), 3)
   y = jax.random.randint(jax.random.PRNGKey(4), (8,), 0, 3)
   collection = kl.scan(loss_fn, params, (x, y))
-  est = kl.FisherEstimator(collection, stats_fraction=0.5)
+  est = kl.FisherEstimator(collection, stats_fraction=0.5,
+                           stats_min_examples=1)
   lin = est.linearize(params, (x, y))
   with pytest.warns(UserWarning, match="stats_fraction=0.5"):
     assert est.linearize_head(params, (x, y), lin) is lin
@@ -207,7 +240,31 @@ def test_uncut_batch_warns_and_keeps_the_whole_batch():
   params = {"w": _normal((3, 4), 1)}
   x = _normal((5, 8, 3), 3)
   collection = kl.scan(loss_fn, params, x)
-  est = kl.FisherEstimator(collection, stats_fraction=0.5)
+  est = kl.FisherEstimator(collection, stats_fraction=0.5,
+                           stats_min_examples=1)
   lin = est.linearize(params, x)
   with pytest.warns(UserWarning, match=r"loss tags of \[8\] rows"):
     assert est.linearize_head(params, x, lin) is lin
+
+
+def test_kfac_optimizer_uses_a_quarter_of_large_batches_by_default():
+  params, batch = _problem(n=256)
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  tx = kl.kfac_optimizer(collection, estimation_mode="exact")
+  _, state = jax.jit(lambda s, p, b: tx.update(None, s, p, batch=b))(
+      tx.init(params), params, batch)
+  head = jax.tree.map(lambda x: x[:64], batch)
+  _, _, want = _stats(collection, params, head, 1.0)
+  _, _, every = _stats(collection, params, batch, 1.0)
+  got = state.curvature.estimator.blocks
+  for g, w, e in zip(got, want["blocks"], every["blocks"]):
+    np.testing.assert_allclose(g.a, w["a"], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(g.a, e["a"], rtol=1e-3, atol=1e-5)
+  # kfac keeps every example unless asked (its stats= may come from the
+  # caller's value_grad_and_stats, whose default is the whole batch too).
+  tx = kl.kfac(1e-2, collection, estimation_mode="exact")
+  _, state = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))(
+      params, tx.init(params), params, batch)
+  curv = state.inner[0]
+  for g, e in zip(curv.estimator.blocks, every["blocks"]):
+    np.testing.assert_allclose(g.a, e["a"], rtol=1e-5, atol=1e-6)
