@@ -92,20 +92,26 @@ def _timed(fn, repeat=1):
   return out, statistics.median(times)
 
 
-def _step_fn(loss_fn, tx, kfac):
+def _step_fn(loss_fn, tx, collection):
+  """Adam: ``jax.grad``; K-FAC (``collection`` given): the one forward pass
+  of :func:`kl.value_grad_and_stats` for loss, gradient and statistics."""
+  vgs = None if collection is None else kl.value_grad_and_stats(
+      collection.loss_fn, collection)
+
   def step(params, state, batch):
-    grads = jax.grad(loss_fn)(params, batch)
-    if kfac:
-      updates, state = tx.update(grads, state, params, batch=batch)
+    if vgs is not None:
+      _, grads, stats = vgs(params, batch, jax.random.PRNGKey(0))
+      updates, state = tx.update(grads, state, params, stats=stats)
     else:
+      grads = jax.grad(loss_fn)(params, batch)
       updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
   return jax.jit(step)
 
 
-def _measure(loss_fn, params, batch, tx, kfac, steps):
+def _measure(loss_fn, params, batch, tx, collection, steps):
   state = tx.init(params)
-  step = _step_fn(loss_fn, tx, kfac)
+  step = _step_fn(loss_fn, tx, collection)
   compiled, t_compile = _timed(
       lambda: step.lower(params, state, batch).compile())
   params, state = compiled(params, state, batch)  # Warm up.
@@ -152,9 +158,10 @@ def main():
       ln = _problem(depth, stacked, True, args.batch)
       _, t_scan_ln = _timed(lambda: kl.scan(*ln, strict=True))
       adam_c, adam_s = _measure(loss_fn, params, batch, optax.adam(1e-3),
-                                False, args.steps)
+                                None, args.steps)
       kfac_c, kfac_s = _measure(loss_fn, params, batch,
-                                kl.kfac(1e-3, collection), True, args.steps)
+                                kl.kfac(1e-3, collection), collection,
+                                args.steps)
       print(f"{depth:>5}  {'nn.scan' if stacked else 'unrolled':<9} "
             f"{len(collection.layers):>6} {t_scan:>7.3f} {t_scan_ln:>9.3f} "
             f"{adam_c:>14.2f} "

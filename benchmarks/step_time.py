@@ -283,34 +283,37 @@ def breakdown(problem: Problem, collection, damping: float,
 def make_runners(problem: Problem, collection, periods, damping: float,
                  with_optimizer: bool, fractions: Sequence[float] = ()
                  ) -> list:
-  """Adam, then ``kfac`` (and ``kfac_optimizer``) at each inverse period;
-  each ``fractions`` entry adds both at period 5 with that
-  ``stats_fraction``."""
+  """Adam, then ``kfac`` (and ``kfac_optimizer``) at each inverse period
+  with their default ``stats_fraction`` (1 and 0.25); each other
+  ``fractions`` entry adds a row at period 5 with that fraction."""
   runners = []
   tx = optax.adam(1e-3)
   runners.append(Runner("optax.adam",
                         lambda tx=tx: adam_step(problem.loss_fn, tx), tx,
                         problem.params, problem.batches))
-  variants = [(p, 1.0) for p in periods] + [(5, f) for f in fractions]
+
+  def variants(default):
+    return [(p, None) for p in periods] + [
+        (5, f) for f in fractions if f != default]
 
   def label(name, period, fraction):
     return f"{name}, inverse every {period}" + (
-        f", stats_fraction {fraction:g}" if fraction != 1.0 else "")
+        "" if fraction is None else f", stats_fraction {fraction:g}")
 
-  for period, fraction in variants:
+  for period, fraction in variants(1.0):
+    kw = {} if fraction is None else {"stats_fraction": fraction}
     tx = kfac_jax_lite.kfac(1e-2, collection, damping=damping,
-                            inverse_update_period=period,
-                            stats_fraction=fraction)
+                            inverse_update_period=period, **kw)
     runners.append(Runner(
         label("kfac", period, fraction),
-        lambda tx=tx, f=fraction: kfac_step(problem.loss_fn, tx, collection,
-                                            stats_fraction=f), tx,
+        lambda tx=tx, kw=kw: kfac_step(problem.loss_fn, tx, collection,
+                                       **kw), tx,
         problem.params, problem.batches))
   if with_optimizer:
-    for period, fraction in variants:
+    for period, fraction in variants(0.25):
+      kw = {} if fraction is None else {"stats_fraction": fraction}
       tx = kfac_jax_lite.kfac_optimizer(collection,
-                                        inverse_update_period=period,
-                                        stats_fraction=fraction)
+                                        inverse_update_period=period, **kw)
       runners.append(Runner(
           label("kfac_optimizer", period, fraction),
           lambda tx=tx: kfac_step(problem.loss_fn, tx, collection,
@@ -404,10 +407,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="timed steps per optimizer per round (>= 30 in all)")
   p.add_argument("--damping", type=float, default=1e-2,
                  help="kfac's damping (kfac_optimizer adapts its own)")
-  p.add_argument("--stats-fractions", default="0.25",
+  p.add_argument("--stats-fractions", default="0.25,1",
                  help="comma-separated stats_fraction values: each adds "
                  "kfac (and kfac_optimizer) rows at inverse period 5 whose "
-                 "factors use that fraction of each batch ('' for none)")
+                 "curvature uses that fraction of each batch, unless it is "
+                 "the optimizer's default (kfac 1, kfac_optimizer 0.25); "
+                 "'' for none")
   p.add_argument("--no-breakdown", action="store_true",
                  help="skip the per-part breakdown and compile split")
   args = p.parse_args(argv)

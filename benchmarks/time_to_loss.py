@@ -11,8 +11,9 @@ plus ``1e-5 · ½‖θ‖²``), batch 500, the same batch sequence for every run
    steps (default 600 and 2000; those beyond ``--adam-steps`` are dropped).
 3. ``kfac_optimizer`` at its defaults (plus ``l2_reg=1e-5``, the
    regulariser's curvature) runs until it is below every target, or for
-   ``--kfac-max-steps`` steps; so does each other ``--stats-fractions``
-   entry (default ``0.25``: the curvature from a quarter of each batch).
+   ``--kfac-max-steps`` steps (its default ``stats_fraction=0.25``: the
+   curvature from a quarter of each batch); so does each other
+   ``--stats-fractions`` entry (default ``1``: the whole batch).
 
 "Loss" is the trailing mean of the last ``--window`` batch losses (each
 measured before its step's update). A run reaches a target at the first
@@ -168,9 +169,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="Adam step counts whose losses are the targets")
   p.add_argument("--kfac-max-steps", type=int, default=1000)
   p.add_argument("--batch-size", type=int, default=500)
-  p.add_argument("--stats-fractions", default="1,0.25",
-                 help="one kfac_optimizer run per stats_fraction (1: its "
-                 "default)")
+  p.add_argument("--stats-fractions", default="0.25,1",
+                 help="one kfac_optimizer run per stats_fraction (0.25: its "
+                 "default; 1: the whole batch)")
   p.add_argument("--window", type=int, default=20)
   p.add_argument("--log-every", type=int, default=100)
   p.add_argument("--seed", type=int, default=0)
@@ -201,11 +202,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                   images[:args.batch_size])
   kfac_names, kfac_steps = [], {}
   for fraction in (float(f) for f in args.stats_fractions.split(",")):
-    name = "kfac_optimizer" + ("" if fraction == 1.0 else
+    name = "kfac_optimizer" + (" (defaults)" if fraction == 0.25 else
                                f" stats_fraction={fraction:g}")
     tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2,
                                       stats_fraction=fraction)
-    print(f"{name} (defaults otherwise, l2_reg=1e-5)", flush=True)
+    print(f"{name}, l2_reg=1e-5", flush=True)
     kfac_step = ae.make_kfac_step(collection, tx)
     curves[name] = run_until(
         name, kfac_step, params, tx.init(params), images, args,
