@@ -328,27 +328,31 @@ def ema(old, new, weight, decay):
   return jax.tree.map(lambda o, n: (decay * weight * o + n) / w, old, new), w
 
 
-# Leaves of one dtype are checked in concatenated chunks of up to this many
-# elements (a bounded temporary buffer); larger leaves are checked alone.
-FINITE_CHUNK = 1 << 22
+# Leaves of one dtype smaller than FINITE_ALONE elements are checked in
+# concatenated chunks of up to FINITE_CHUNK elements; larger leaves are
+# checked alone (no copy: concatenating the factors and gradients of a
+# large model copied tens of MB per step).
+FINITE_CHUNK = 1 << 20
+FINITE_ALONE = 1 << 16
 
 
 def all_finite(tree) -> jnp.ndarray:
   """True when every floating-point leaf of ``tree`` is finite.
 
-  Small leaves of one dtype are flattened and concatenated (in chunks of at
-  most :data:`FINITE_CHUNK` elements) before one ``isfinite`` reduction per
-  chunk: checking ~200 parameter leaves one by one compiled to ~3 XLA
-  kernels each (is-finite, a reduce-window and a reduce on XLA:CPU); the
-  chunks cost one concatenation and one reduction each. Integer leaves are
-  always finite.
+  Small leaves (under :data:`FINITE_ALONE` elements) of one dtype are
+  flattened and concatenated (in chunks of at most :data:`FINITE_CHUNK`
+  elements) before one ``isfinite`` reduction per chunk: checking ~200
+  small parameter leaves one by one compiled to ~3 XLA kernels each
+  (is-finite, a reduce-window and a reduce on XLA:CPU); the chunks cost one
+  concatenation and one reduction each. Larger leaves get their own
+  reduction, without a copy. Integer leaves are always finite.
   """
   chunks, pending, sizes = [], {}, {}
   for x in jax.tree.leaves(tree):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
       continue
-    if x.size >= FINITE_CHUNK:
+    if x.size >= FINITE_ALONE:
       chunks.append(x)
       continue
     dt = x.dtype
