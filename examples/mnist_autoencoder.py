@@ -317,7 +317,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
       "training loss at equal steps and at equal seconds.",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--data", default=DEFAULT_DATA, help="path to mnist.npz")
-  p.add_argument("--steps", type=int, default=120,
+  p.add_argument("--steps", type=int, default=300,
                  help="K-FAC steps (Adam: the same, or more with time "
                  "matching)")
   p.add_argument("--batch-size", type=int, default=500,
