@@ -524,7 +524,11 @@ class FisherEstimator:
       K-FAC's ``sub_sample_outer_products`` / ``sub_sample_inputs`` make
       the same trade). ``m`` is at least ``stats_min_examples`` (or the
       whole batch, if smaller), so small batches keep every example. Take
-      shuffled batches: the subset is the first ``m``, not a random draw. Blocks built from summed parameter
+      shuffled batches: the subset is the first ``m``, not a random draw.
+      Under ``jax.jit`` with the batch sharded over devices (no
+      ``axis_name``) the first ``m`` examples are on the first devices
+      only: correct, but unevenly spread; with ``axis_name``
+      (``shard_map``/``pmap``) every replica takes its own first ``m``. Blocks built from summed parameter
       gradients (``full``, ``diagonal`` over generic layers) always use
       the whole batch; so do the gradient and the loss.
     stats_min_examples: the floor on ``m`` above (default 64).
