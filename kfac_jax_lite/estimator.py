@@ -261,6 +261,15 @@ def _first_examples(x, axis: int, rows: int):
   return lax.slice_in_dim(x, 0, rows, axis=axis)
 
 
+def _site_head(x, site, rows, leading=0):
+  """A recorded site array cut to its first ``rows`` examples (``None``:
+  uncut). Its batch axis follows ``leading`` source axes and the site's
+  scan axes: ``[S?, T1..Tk, B, ...]``."""
+  if rows is None:
+    return x
+  return _first_examples(x, leading + len(site.scan_lengths), rows)
+
+
 def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
                      need_all_param_grads, axis_name=None,
                      fraction: float = 1.0, min_rows: int = 1) -> _Pass:
@@ -299,16 +308,11 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
   for layer, block in zip(collection.layers, blocks):
     sites = sites_of.get(layer.param_indices, [])
     n = None if block.needs_param_grads else rows
-    head = lambda x, axis, n=n: (  # noqa: E731
-        x if n is None else _first_examples(x, axis, n))
-    inputs_of = lambda x, s: _site_inputs(  # noqa: E731
-        head(x, len(s.scan_lengths)), s)
-    grads_of = lambda g, s: _site_grads(  # noqa: E731
-        head(g, len(s.scan_lengths) + 1), s)
     data.append(blocks_lib.LayerData(
-        inputs=tuple(tuple(inputs_of(x, s) for x in lin.records[s.key])
-                     for s in sites),
-        grads=tuple(grads_of(eps_bars[s.key], s) for s in sites),
+        inputs=tuple(tuple(_site_inputs(_site_head(x, s, n), s)
+                           for x in lin.records[s.key]) for s in sites),
+        grads=tuple(_site_grads(_site_head(eps_bars[s.key], s, n, 1), s)
+                    for s in sites),
         params=tuple(leaves[i] for i in layer.param_indices),
         param_grads=tuple(_param_grads(block_p_bars[i], layer)
                           for i in layer.param_indices)

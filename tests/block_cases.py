@@ -109,17 +109,22 @@ def conv_fn(meta):
   return fn
 
 
-def conv(key, approx="kron", case="nhwc_same_strided", bias=True, uses=1):
-  meta = CONV_META[case]
+def _conv_arrays(key, meta, fn_meta, bias, uses=1):
+  """Kernel (and bias) of shape ``meta["w"]``, ``conv_fn(fn_meta)``, inputs
+  ``[N, uses, ...]`` of shape ``meta["x"]`` and matching output grads."""
   ks = _split(key, 4)
   w = _normal(ks[0], meta["w"])
-  spec = rhs_spec(meta)
-  c_out = meta["w"][spec.index("O")]
+  c_out = meta["w"][rhs_spec(meta).index("O")]
   params = (w, _normal(ks[1], (c_out,))) if bias else (w,)
-  fn = conv_fn(meta)
+  fn = conv_fn(fn_meta)
   x = _normal(ks[2], (meta["x"][0], uses) + meta["x"][1:])
   y_shape = jax.eval_shape(lambda: fn(params, x[:, 0])).shape
-  g = _grads_for(ks[3], y_shape, uses)
+  return params, fn, x, _grads_for(ks[3], y_shape, uses)
+
+
+def conv(key, approx="kron", case="nhwc_same_strided", bias=True, uses=1):
+  meta = CONV_META[case]
+  params, fn, x, g = _conv_arrays(key, meta, meta, bias, uses)
   tag_meta = {k: v for k, v in meta.items() if k not in ("x", "w")}
   layer = h.make_layer("conv", approx, [p.shape for p in params],
                        num_uses=uses, **tag_meta)
@@ -189,15 +194,7 @@ def depthwise_lax(key, approx="diagonal", case="nhwc_2d", bias=True):
   """A recognised depthwise conv (kind ``depthwise_conv``, lax layout)."""
   kw, stored = depthwise_lax_meta(case)
   meta = DEPTHWISE_LAX[case]
-  ks = _split(key, 4)
-  w = _normal(ks[0], meta["w"])
-  spec = rhs_spec(meta)
-  c_out = meta["w"][spec.index("O")]
-  params = (w, _normal(ks[1], (c_out,))) if bias else (w,)
-  fn = conv_fn(kw)
-  x = _normal(ks[2], (meta["x"][0], 1) + meta["x"][1:])
-  y_shape = jax.eval_shape(lambda: fn(params, x[:, 0])).shape
-  g = _grads_for(ks[3], y_shape)
+  params, fn, x, g = _conv_arrays(key, meta, kw, bias)
   layer = h.make_layer("depthwise_conv", approx, [p.shape for p in params],
                        **stored)
   return layer, h.layer_data([(x,)], [g], params), params, fn

@@ -46,6 +46,15 @@ def classification_batch(key, n, d, classes):
           jax.random.randint(ky, (n,), 0, classes))
 
 
+def small_classifier(num_batches):
+  """``(params, batches, collection)``: the tagged 6-8-3 MLP classifier and
+  ``num_batches`` batches of 16 (shared by the transform and skip tests)."""
+  params = mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
+  batches = [classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
+             for i in range(num_batches)]
+  return params, batches, kl.scan(classifier_loss, params, batches[0])
+
+
 def per_example_preactivation_grads(loss_fn_single, params, batch):
   """∂ℓ_b/∂s_b for every layer: the gradient of example b's own loss.
 

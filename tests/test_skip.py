@@ -16,10 +16,7 @@ from tests import helpers
 
 @pytest.fixture(name="problem", scope="module")
 def _problem():
-  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
-  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
-             for i in range(3)]
-  collection = kl.scan(helpers.classifier_loss, params, batches[0])
+  params, batches, collection = helpers.small_classifier(3)
   vgs = kl.value_grad_and_stats(helpers.classifier_loss, collection)
   return params, batches, collection, vgs
 

@@ -12,11 +12,7 @@ from tests import helpers
 
 @pytest.fixture(name="problem", scope="module")
 def _problem():
-  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
-  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
-             for i in range(7)]
-  collection = kl.scan(helpers.classifier_loss, params, batches[0])
-  return params, batches, collection
+  return helpers.small_classifier(7)
 
 
 def _structure(state):
