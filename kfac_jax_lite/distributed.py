@@ -54,6 +54,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from kfac_jax_lite import keys as keys_lib
+
 STATS_SYNCS = ("every_update", "before_refresh")
 
 # State fields that are not EMA'd statistics (the fallback when a block
@@ -113,14 +115,14 @@ def vary(tree, axes: tuple):
 
 
 def replica_key(key, axis_name: Hashable):
-  """``fold_in(key, axis_index)``: a different sampling key per replica.
+  """``key`` hashed with the axis index: a sampling key per replica.
 
   The key in the optimizer state stays the same on every replica; only the
   key used for this step's sampled targets is folded, so replicas draw
   independent targets for their own examples.
   """
   axis_size(axis_name)
-  return jax.random.fold_in(key, lax.axis_index(axis_name))
+  return keys_lib.derive(key, lax.axis_index(axis_name))
 
 
 def factor_fields(block, state) -> tuple:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import distributed
+from kfac_jax_lite import keys as keys_lib
 from kfac_jax_lite import linalg
 from kfac_jax_lite import scanner
 from kfac_jax_lite.collection import LayerCollection
@@ -104,17 +105,6 @@ class GroupedState:
 # ---------------------------------------------------------------------------
 
 
-def _sampling_key(key):
-  """A key of the ``rbg`` implementation, derived from ``key``.
-
-  Sampling targets with a threefry key costs ~0.6 s of XLA:CPU compile time
-  per call site (partitionable threefry); ``rbg`` keys compile ~6x faster.
-  Four words of the caller's key seed it, so results stay deterministic.
-  """
-  return jax.random.wrap_key_data(
-      jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
-
-
 def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
   """Per loss, the stacked cotangents ``[S, *z.shape]`` (same S for all)."""
   if mode == "empirical":
@@ -137,11 +127,11 @@ def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
       out.append(jnp.pad(c, pad))
       offset += c.shape[0]
     return out
-  keys = jax.random.split(_sampling_key(key), len(specs))
   out = []
-  for spec, z, k in zip(specs, zs, keys):
+  for i, (spec, z) in enumerate(zip(specs, zs)):
     scale = math.sqrt(spec.weight / num_samples)
-    ks = jax.random.split(k, num_samples)
+    # Hashed rbg keys: no threefry in the step (kfac_jax_lite.keys).
+    ks = keys_lib.rbg_keys(key, i, num_samples)
     if mode == "gradients":
       ct = jax.vmap(lambda kk, z=z, spec=spec: spec.nll_grad(
           z, spec.sample(kk, z)))(ks)

@@ -53,8 +53,11 @@ def sequential_under_vmap(fn):
 
 @sequential_under_vmap
 def cholesky(m):
-  """Lower Cholesky factor (see :func:`sequential_under_vmap`)."""
-  return jnp.linalg.cholesky(m)
+  """Lower Cholesky factor of a symmetric ``m`` (see
+  :func:`sequential_under_vmap`). ``m`` must already be symmetric (callers
+  symmetrise it together with the damping, in one kernel):
+  ``jnp.linalg.cholesky`` would symmetrise it a second time."""
+  return jax.lax.linalg.cholesky(m, symmetrize_input=False)
 
 
 @sequential_under_vmap
@@ -339,13 +342,20 @@ FINITE_ALONE = 1 << 16
 def all_finite(tree) -> jnp.ndarray:
   """True when every floating-point leaf of ``tree`` is finite.
 
+  Math: ``x * 0`` is ``0`` for finite ``x`` and NaN for ``±inf`` or NaN, so
+  :math:`\\sum_{\\text{leaves}} \\sum_i 0 \\cdot x_i` is exactly ``0`` when
+  everything is finite and NaN otherwise (it cannot overflow); one
+  ``isfinite`` of that scalar is the answer. On XLA:CPU each float sum is
+  one fused reduction, where ``all(isfinite(x))`` materialised a boolean
+  array and reduced it in two more kernels (a reduce-window, a reduce):
+  for 6 factor-sized leaves the check compiled in 0.025 s instead of
+  0.28 s.
+
   Small leaves (under :data:`FINITE_ALONE` elements) of one dtype are
-  flattened and concatenated (in chunks of at most :data:`FINITE_CHUNK`
-  elements) before one ``isfinite`` reduction per chunk: checking ~200
-  small parameter leaves one by one compiled to ~3 XLA kernels each
-  (is-finite, a reduce-window and a reduce on XLA:CPU); the chunks cost one
-  concatenation and one reduction each. Larger leaves get their own
-  reduction, without a copy. Integer leaves are always finite.
+  flattened and concatenated, in chunks of at most :data:`FINITE_CHUNK`
+  elements, before their reduction (200 small leaves: 15 kernels instead
+  of ~750); larger leaves get their own reduction, without a copy. Integer
+  leaves are always finite.
   """
   chunks, pending, sizes = [], {}, {}
   for x in jax.tree.leaves(tree):
@@ -362,11 +372,12 @@ def all_finite(tree) -> jnp.ndarray:
     pending.setdefault(dt, []).append(x.reshape(-1))
     sizes[dt] = sizes.get(dt, 0) + x.size
   chunks += list(pending.values())
-  checks = []
+  if not chunks:
+    return jnp.array(True)
+  total = jnp.zeros((), jnp.float32)
   for c in chunks:
     if isinstance(c, list):
       c = c[0] if len(c) == 1 else jnp.concatenate(c)
-    checks.append(jnp.all(jnp.isfinite(c)))
-  if not checks:
-    return jnp.array(True)
-  return checks[0] if len(checks) == 1 else jnp.all(jnp.stack(checks))
+    total = total + jnp.real(jnp.sum(c * jnp.zeros((), c.dtype))).astype(
+        jnp.float32)
+  return jnp.isfinite(total)

@@ -26,6 +26,7 @@ import optax
 
 from kfac_jax_lite import distributed
 from kfac_jax_lite import estimator as estimator_lib
+from kfac_jax_lite import keys as keys_lib
 from kfac_jax_lite import linalg
 from kfac_jax_lite.collection import LayerCollection
 
@@ -158,7 +159,7 @@ class Curvature:
       batch = None
     check_batch_and_stats(batch, stats)
     # The estimator folds the key with the axis index (per-replica draws).
-    key, next_rng = jax.random.split(state.rng)
+    key, next_rng = keys_lib.step_keys(state.rng)
     count = state.count
     # Same-shaped blocks stacked for the whole step (one array per group
     # and leaf through the EMA and the refresh's conditional; see

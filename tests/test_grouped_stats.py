@@ -17,6 +17,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from kfac_jax_lite import estimator as estimator_lib
+from kfac_jax_lite import keys
 from tests import helpers
 
 # 8 -> 6 (different), three identical 6 -> 6 layers, 6 -> 3 (different).
@@ -142,7 +143,7 @@ def test_transform_step_matches_ungrouped_reference():
   ref = est.init(params)
   for _ in range(2):
     grads = jax.grad(loss_fn)(params, batch)
-    key = jax.random.split(state.rng)[0]
+    key = keys.step_keys(state.rng)[0]
     direction, state = jax.jit(
         lambda g, s: tx.update(g, s, params, batch=batch))(grads, state)
     stats = _per_layer_stats(est, params, batch, key)

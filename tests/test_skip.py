@@ -168,23 +168,32 @@ def test_replicas_skip_together(problem):
   np.testing.assert_array_equal(state.inner[0].num_inverse_updates, [1, 1])
 
 
-@pytest.mark.parametrize("where", ["none", "small", "large", "bf16", "inf"])
+@pytest.mark.parametrize(
+    "where", ["none", "huge", "small", "large", "bf16", "inf", "-inf large",
+              "complex"])
 def test_all_finite_checks_every_float_leaf(where):
+  """Every float leaf kind, NaN and ±inf; finite values near the float32
+  maximum (whose plain sum overflows) are finite."""
   from kfac_jax_lite import linalg
-  small = [jnp.ones((3, 4)) * i for i in range(40)]       # concatenated
-  large = jnp.ones((linalg.FINITE_ALONE + 5,))             # checked alone
-  half = jnp.ones((7,), jnp.bfloat16)                      # its own chunk
-  ints = jnp.arange(5)                                     # always finite
+  scale = 3e38 / 40 if where == "huge" else 1.0
+  small = [jnp.ones((3, 4)) * i * scale for i in range(40)]  # concatenated
+  large = jnp.ones((linalg.FINITE_ALONE + 5,)) * scale        # checked alone
+  half = jnp.ones((7,), jnp.bfloat16)                        # its own chunk
+  cplx = jnp.ones((6,), jnp.complex64)
+  ints = jnp.arange(5)                                       # always finite
   bad = {"small": ("small", 17), "large": ("large", None),
-         "bf16": ("half", None), "inf": ("small", 3)}.get(where)
-  value = jnp.inf if where == "inf" else jnp.nan
+         "bf16": ("half", None), "inf": ("small", 3),
+         "-inf large": ("large", None), "complex": ("cplx", None)}.get(where)
+  value = {"inf": jnp.inf, "-inf large": -jnp.inf}.get(where, jnp.nan)
   if bad and bad[0] == "small":
     small[bad[1]] = small[bad[1]].at[1, 2].set(value)
   elif bad and bad[0] == "large":
     large = large.at[-1].set(value)
+  elif bad and bad[0] == "cplx":
+    cplx = cplx.at[2].set(1j * jnp.inf)
   elif bad:
     half = half.at[3].set(value)
-  tree = {"s": small, "l": large, "h": half, "i": ints}
+  tree = {"s": small, "l": large, "h": half, "c": cplx, "i": ints}
   got = jax.jit(linalg.all_finite)(tree)
-  assert bool(got) == (where == "none")
+  assert bool(got) == (where in ("none", "huge"))
   assert bool(linalg.all_finite({})) and bool(linalg.all_finite([ints]))

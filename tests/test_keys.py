@@ -1,0 +1,103 @@
+"""Hashed sampling keys (kfac_jax_lite.keys): determinism, independence,
+and no threefry in a K-FAC step."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_lite as kl
+from kfac_jax_lite import keys
+from tests import helpers
+
+
+def test_fmix32_is_a_bijection_on_a_sample():
+  x = jnp.arange(1 << 16, dtype=jnp.uint32) * jnp.uint32(65537)
+  assert np.unique(np.asarray(keys.fmix32(x))).size == x.size
+
+
+def test_derive_is_deterministic_and_depends_on_key_and_index():
+  k = jax.random.PRNGKey(3)
+  a = np.asarray(keys.derive(k, 0))
+  np.testing.assert_array_equal(a, keys.derive(k, 0))
+  assert a.shape == (2,) and a.dtype == np.uint32
+  others = [keys.derive(k, 1), keys.derive(jax.random.PRNGKey(4), 0),
+            keys.derive(k, 0, num_words=4)[:2]]
+  for o in others[:2]:
+    assert not np.any(np.asarray(o) == a)  # every word changes
+  # Traced indices (e.g. an axis index) give the same words.
+  np.testing.assert_array_equal(jax.jit(keys.derive)(k, jnp.int32(5)),
+                                keys.derive(k, 5))
+
+
+def test_typed_and_raw_keys_and_a_clear_error():
+  typed = jax.random.key(7)
+  np.testing.assert_array_equal(keys.derive(typed, 2),
+                                keys.derive(jax.random.key_data(typed), 2))
+  assert keys.key_words(jax.random.key(0, impl="rbg")).shape == (4,)
+  with pytest.raises(TypeError, match="uint32"):
+    keys.derive(jnp.zeros((2,), jnp.float32), 0)
+
+
+def test_step_keys_advance_like_split():
+  k = jax.random.PRNGKey(0)
+  use, nxt = keys.step_keys(k)
+  use2, nxt2 = keys.step_keys(nxt)
+  words = {tuple(np.asarray(x)) for x in (k, use, nxt, use2, nxt2)}
+  assert len(words) == 5
+
+
+def test_rbg_keys_give_distinct_uncorrelated_draws():
+  """Samples and losses draw different values; a categorical drawn with them
+  has the right frequencies."""
+  k = jax.random.PRNGKey(1)
+  ks = keys.rbg_keys(k, 0, 3)
+  assert jax.random.key_impl(ks) == jax.random.key_impl(
+      jax.random.key(0, impl="rbg"))
+  draws = jax.vmap(lambda kk: jax.random.uniform(kk, (1000,)))(ks)
+  other = jax.vmap(lambda kk: jax.random.uniform(kk, (1000,)))(
+      keys.rbg_keys(k, 1, 3))
+  flat = np.concatenate([np.asarray(draws), np.asarray(other)])
+  corr = np.corrcoef(flat)
+  assert np.all(np.abs(corr[np.triu_indices(6, 1)]) < 0.15)
+  probs = np.array([0.1, 0.2, 0.7])
+  one = keys.rbg_keys(k, 2, 1)[0]
+  cats = jax.random.categorical(one, jnp.log(probs), shape=(20000,))
+  np.testing.assert_allclose(np.bincount(cats, minlength=3) / 20000, probs,
+                             atol=0.02)
+
+
+def _count_primitive(jaxpr, name) -> int:
+  """Equations of primitive ``name`` in ``jaxpr``, recursively."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == name
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += _count_primitive(sub, name)
+  return n
+
+
+def test_a_kfac_step_runs_no_threefry():
+  """The sampled Fisher's keys (step, loss, sample) are hashed: a step of
+  kfac() with value_grad_and_stats derives no key with threefry (split,
+  fold_in), and two keys draw different targets."""
+  params, (batch,), collection = helpers.small_classifier(1)
+  tx = kl.kfac(1e-2, collection, damping=1e-2)
+  vgs = kl.value_grad_and_stats(helpers.classifier_loss, collection)
+
+  def step(p, s, rng):
+    _, grads, stats = vgs(p, batch, rng)
+    updates, s = tx.update(grads, s, p, stats=stats)
+    return optax.apply_updates(p, updates), s, stats
+
+  state = tx.init(params)
+  jaxpr = jax.make_jaxpr(step)(params, state, jax.random.PRNGKey(0)).jaxpr
+  for derivation in ("threefry2x32", "random_split", "random_fold_in"):
+    assert _count_primitive(jaxpr, derivation) == 0, derivation
+  assert _count_primitive(jaxpr, "random_bits") >= 1
+  _, _, s1 = jax.jit(step)(params, state, jax.random.PRNGKey(0))
+  _, _, s2 = jax.jit(step)(params, state, jax.random.PRNGKey(1))
+  diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), s1, s2)
+  assert max(jax.tree.leaves(diff)) > 0
