@@ -13,7 +13,9 @@ plus ``1e-5 · ½‖θ‖²``), batch 500, the same batch sequence for every run
    regulariser's curvature) runs until it is below every target, or for
    ``--kfac-max-steps`` steps (its default ``stats_fraction=0.25``: the
    curvature from a quarter of each batch); so does each other
-   ``--stats-fractions`` entry (default ``1``: the whole batch).
+   ``--stats-fractions`` entry (default ``1``: the whole batch), and each
+   ``--inverse-periods`` entry (none by default; e.g. ``10,20``: the
+   inverses refreshed every 10 or 20 steps).
 
 "Loss" is the trailing mean of the last ``--window`` batch losses (each
 measured before its step's update). A run reaches a target at the first
@@ -172,6 +174,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--stats-fractions", default="0.25,1",
                  help="one kfac_optimizer run per stats_fraction (0.25: its "
                  "default; 1: the whole batch)")
+  p.add_argument("--inverse-periods", default="",
+                 help="comma-separated inverse_update_period values: each "
+                 "adds a kfac_optimizer run at its default stats_fraction")
   p.add_argument("--window", type=int, default=20)
   p.add_argument("--log-every", type=int, default=100)
   p.add_argument("--seed", type=int, default=0)
@@ -201,11 +206,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   collection = kfac_jax_lite.scan(ae.loss_fn, params,
                                   images[:args.batch_size])
   kfac_names, kfac_steps = [], {}
-  for fraction in (float(f) for f in args.stats_fractions.split(",")):
-    name = "kfac_optimizer" + (" (defaults)" if fraction == 0.25 else
-                               f" stats_fraction={fraction:g}")
-    tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2,
-                                      stats_fraction=fraction)
+  runs = [("kfac_optimizer" + (" (defaults)" if f == 0.25 else
+                               f" stats_fraction={f:g}"),
+           {"stats_fraction": f})
+          for f in (float(x) for x in args.stats_fractions.split(",") if x)]
+  runs += [(f"kfac_optimizer inverse_update_period={k}",
+            {"inverse_update_period": k})
+           for k in (int(x) for x in args.inverse_periods.split(",") if x)]
+  for name, kwargs in runs:
+    tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2, **kwargs)
     print(f"{name}, l2_reg=1e-5", flush=True)
     kfac_step = ae.make_kfac_step(collection, tx)
     curves[name] = run_until(

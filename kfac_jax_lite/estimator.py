@@ -130,15 +130,16 @@ def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
   out = []
   for i, (spec, z) in enumerate(zip(specs, zs)):
     scale = math.sqrt(spec.weight / num_samples)
-    # Hashed rbg keys: no threefry in the step (kfac_jax_lite.keys).
-    ks = keys_lib.rbg_keys(key, i, num_samples)
+    # Hashed keys and draws: no threefry in the step (kfac_jax_lite.keys).
+    ks = keys_lib.sample_keys(key, i, num_samples)
     if mode == "gradients":
       ct = jax.vmap(lambda kk, z=z, spec=spec: spec.nll_grad(
           z, spec.sample(kk, z)))(ks)
     else:  # curvature_prop(_GGN): B r with Rademacher r.
       def one(kk, z=z, spec=spec):
-        r = jax.random.rademacher(
-            kk, z.shape, dtype=jnp.promote_types(z.dtype, jnp.float32))
+        dt = jnp.promote_types(z.dtype, jnp.float32)
+        r = jnp.where(keys_lib.uniform(kk, z.shape) < 0.5, -1.0, 1.0
+                      ).astype(dt)
         return spec.fisher_factor(z, r)
       ct = jax.vmap(one)(ks)
     out.append(scale * ct)

@@ -53,11 +53,8 @@ def sequential_under_vmap(fn):
 
 @sequential_under_vmap
 def cholesky(m):
-  """Lower Cholesky factor of a symmetric ``m`` (see
-  :func:`sequential_under_vmap`). ``m`` must already be symmetric (callers
-  symmetrise it together with the damping, in one kernel):
-  ``jnp.linalg.cholesky`` would symmetrise it a second time."""
-  return jax.lax.linalg.cholesky(m, symmetrize_input=False)
+  """Lower Cholesky factor (see :func:`sequential_under_vmap`)."""
+  return jnp.linalg.cholesky(m)
 
 
 @sequential_under_vmap

@@ -25,6 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_lite import keys
+
 
 def _up(x):
   """At least float32 (bf16/f16 logits are promoted; float64 stays)."""
@@ -79,16 +81,22 @@ class LossSpec:
     raise ValueError(f"Unknown loss kind {self.kind!r}.")
 
   def sample(self, key, z):
-    """Draws targets ``y ~ p(y | z)`` (same layout as data targets)."""
+    """Draws targets ``y ~ p(y | z)`` (same layout as data targets).
+
+    ``key``: a key of :mod:`kfac_jax_lite.keys` (``uint32`` words, or any
+    jax.random key); the uniforms come from :func:`keys.uniform`.
+    Categorical by the Gumbel-max trick, ``argmax(z - log(-log u))``;
+    Normal by the inverse CDF, ``z + sqrt(var) Φ⁻¹(u)``; Bernoulli as
+    ``u < sigmoid(z)``.
+    """
     z32 = jax.lax.stop_gradient(_up(z))
+    u = keys.uniform(key, z.shape, z32.dtype)
     if self.kind == "categorical":
-      return jax.random.categorical(key, z32, axis=-1)
+      return jnp.argmax(z32 - jnp.log(-jnp.log(u)), axis=-1)
     if self.kind == "normal":
-      return z32 + math.sqrt(self.var) * jax.random.normal(
-          key, z.shape, z32.dtype)
+      return z32 + math.sqrt(self.var) * jax.scipy.special.ndtri(u)
     if self.kind == "multi_bernoulli":
-      return jax.random.bernoulli(key, jax.nn.sigmoid(z32)).astype(
-          z32.dtype)
+      return (u < jax.nn.sigmoid(z32)).astype(z32.dtype)
     raise ValueError(f"Unknown loss kind {self.kind!r}.")
 
   # ---- Fisher factor products (per example, per position) --------------
