@@ -398,7 +398,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--batch-size", type=int, default=256, help="MLP batch")
   p.add_argument("--ae-batch-size", type=int, default=500,
                  help="autoencoder batch")
-  p.add_argument("--periods", default="1,5,20",
+  p.add_argument("--periods", default="1,5,10,20",
                  help="K-FAC inverse_update_period values, comma-separated")
   p.add_argument("--warmup", type=int, default=3,
                  help="untimed steps per optimizer after the first call")
