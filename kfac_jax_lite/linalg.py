@@ -336,6 +336,35 @@ FINITE_CHUNK = 1 << 20
 FINITE_ALONE = 1 << 16
 
 
+def flat_chunks(tree) -> list:
+  """The floating-point leaves of ``tree`` as a few 1-D arrays.
+
+  Leaves of at least :data:`FINITE_ALONE` elements are raveled alone (no
+  copy); smaller leaves of one dtype are raveled and concatenated, in
+  chunks of at most :data:`FINITE_CHUNK` elements. Two trees of the same
+  structure and dtypes give aligned chunks (same order, same sizes), so
+  elementwise reductions over a tree cost one XLA kernel per chunk instead
+  of one (or, on XLA:CPU, three) per leaf. Integer leaves are left out.
+  """
+  chunks, pending, sizes = [], {}, {}
+  for x in jax.tree.leaves(tree):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      continue
+    if x.size >= FINITE_ALONE:
+      chunks.append(x.reshape(-1))
+      continue
+    dt = x.dtype
+    if sizes.get(dt, 0) + x.size > FINITE_CHUNK:
+      chunks.append(pending.pop(dt))
+      sizes[dt] = 0
+    pending.setdefault(dt, []).append(x.reshape(-1))
+    sizes[dt] = sizes.get(dt, 0) + x.size
+  chunks += list(pending.values())
+  return [c[0] if len(c) == 1 else jnp.concatenate(c)
+          if isinstance(c, list) else c for c in chunks]
+
+
 def all_finite(tree) -> jnp.ndarray:
   """True when every floating-point leaf of ``tree`` is finite.
 
@@ -350,32 +379,34 @@ def all_finite(tree) -> jnp.ndarray:
   0.28 s. (``x * 0`` is as exact, but in the K-FAC step XLA materialised
   the broadcast zero matrix for each factor's reduction.)
 
-  Small leaves (under :data:`FINITE_ALONE` elements) of one dtype are
-  flattened and concatenated, in chunks of at most :data:`FINITE_CHUNK`
-  elements, before their reduction (200 small leaves: 15 kernels instead
-  of ~750); larger leaves get their own reduction, without a copy. Integer
-  leaves are always finite.
+  The leaves are reduced in :func:`flat_chunks` (200 small leaves: 15
+  kernels instead of ~750). Integer leaves are always finite.
   """
-  chunks, pending, sizes = [], {}, {}
-  for x in jax.tree.leaves(tree):
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-      continue
-    if x.size >= FINITE_ALONE:
-      chunks.append(x)
-      continue
-    dt = x.dtype
-    if sizes.get(dt, 0) + x.size > FINITE_CHUNK:
-      chunks.append(pending.pop(dt))
-      sizes[dt] = 0
-    pending.setdefault(dt, []).append(x.reshape(-1))
-    sizes[dt] = sizes.get(dt, 0) + x.size
-  chunks += list(pending.values())
+  chunks = flat_chunks(tree)
   if not chunks:
     return jnp.array(True)
   total = jnp.zeros((), jnp.float32)
   for c in chunks:
-    if isinstance(c, list):
-      c = c[0] if len(c) == 1 else jnp.concatenate(c)
     total = total + jnp.real(jnp.sum(c - c)).astype(jnp.float32)
   return jnp.isfinite(total)
+
+
+def inner_products(trees, pairs) -> jnp.ndarray:
+  """``[⟨trees[i], trees[j]⟩ for (i, j) in pairs]``, in :func:`factor_dtype`.
+
+  The trees (same structure and dtypes, e.g. a gradient, a direction and a
+  velocity; integer leaves are skipped) are cut into aligned
+  :func:`flat_chunks` once each; every product is one ``vdot`` per chunk. On the autoencoder's 16 parameter
+  leaves the five products of ``kfac_optimizer``'s quadratic model
+  compiled in 0.05 s instead of 0.24 s with ``optax.tree.vdot`` per pair
+  (40 kernels instead of 140), at the same run time.
+  """
+  dt = factor_dtype()
+  flat = [flat_chunks(t) for t in trees]
+  out = []
+  for i, j in pairs:
+    total = jnp.zeros((), dt)
+    for a, b in zip(flat[i], flat[j], strict=True):
+      total = total + jnp.vdot(a.astype(dt), b.astype(dt))
+    out.append(total)
+  return jnp.stack(out)

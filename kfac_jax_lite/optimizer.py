@@ -258,9 +258,11 @@ def kfac_optimizer(collection: LayerCollection, *,
                                                             grads))
     prev = state.velocity
     m = fisher_gram(head, [delta, prev], axis_name)
-    vecs = (delta, prev)
-    gram = jnp.array([[optax.tree.vdot(a, b) for b in vecs] for a in vecs])
-    c = jnp.array([optax.tree.vdot(grads, v) for v in vecs])
+    # ΔᵀΔ, Δᵀδ, δᵀδ, gᵀΔ, gᵀδ: one vdot per chunk of leaves each.
+    dd, dp, pp, gd, gp = linalg.inner_products(
+        (delta, prev, grads), ((0, 0), (0, 1), (1, 1), (2, 0), (2, 1)))
+    gram = jnp.array([[dd, dp], [dp, pp]])
+    c = jnp.array([gd, gp])
     m, gram, c = (x.astype(dt) for x in (m, gram, c))
     alpha, mu = quadratic_model_step(
         m, gram, c, lam, adapt_learning_rate=adapt_learning_rate,

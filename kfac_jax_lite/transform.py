@@ -227,7 +227,7 @@ def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
 
   Returns ``ν`` (1 when the constraint is inactive or ``gᵀF̂⁻¹g <= 0``).
   """
-  sq = optax.tree.vdot(direction, grads)
+  sq = linalg.inner_products((direction, grads), ((0, 1),))[0]
   sq = learning_rate ** 2 * sq
   return jnp.where(sq > 0, jnp.minimum(1.0, jnp.sqrt(
       norm_constraint / jnp.where(sq > 0, sq, 1.0))), 1.0)

@@ -1,0 +1,39 @@
+"""Tree reductions in kfac_jax_lite.linalg: chunks and inner products."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from kfac_jax_lite import linalg
+
+
+def _tree(seed):
+  k = jax.random.split(jax.random.PRNGKey(seed), 5)
+  return {"small": [jax.random.normal(k[0], (3, 4)),
+                    jax.random.normal(k[1], (7,))],
+          "large": jax.random.normal(k[2], (linalg.FINITE_ALONE + 3,)),
+          "matrix": jax.random.normal(k[3], (300, 250)),
+          "half": jax.random.normal(k[4], (5,)).astype(jnp.bfloat16)}
+
+
+def test_flat_chunks_are_aligned_and_keep_every_element():
+  a, b = _tree(0), _tree(1)
+  ca, cb = linalg.flat_chunks(a), linalg.flat_chunks(b)
+  assert [c.shape for c in ca] == [c.shape for c in cb]
+  # Two large leaves alone, small float32 leaves together, bf16 apart.
+  assert len(ca) == 4
+  assert sum(c.size for c in ca) == sum(x.size for x in jax.tree.leaves(a))
+  assert linalg.flat_chunks({"ints": jnp.arange(4)}) == []
+
+
+@pytest.mark.parametrize("pairs", [((0, 1),), ((0, 0), (0, 1), (1, 1),
+                                               (2, 0), (2, 1))])
+def test_inner_products_match_optax_tree_vdot(pairs):
+  trees = [_tree(i) for i in range(3)]
+  up = [jax.tree.map(lambda x: x.astype(jnp.float32), t) for t in trees]
+  got = jax.jit(lambda ts: linalg.inner_products(ts, pairs))(trees)
+  want = [optax.tree.vdot(up[i], up[j]) for i, j in pairs]
+  assert got.dtype == jnp.float32 and got.shape == (len(pairs),)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
