@@ -37,3 +37,14 @@ def test_inner_products_match_optax_tree_vdot(pairs):
   want = [optax.tree.vdot(up[i], up[j]) for i, j in pairs]
   assert got.dtype == jnp.float32 and got.shape == (len(pairs),)
   np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_inner_products_of_trees_with_different_dtypes():
+  """A bf16 direction against a float32 gradient: both are cast to the
+  factor dtype before chunking, so their chunks stay aligned."""
+  g = _tree(0)
+  d = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _tree(1))
+  got = linalg.inner_products((g, d), ((0, 1),))[0]
+  up = jax.tree.map(lambda x: x.astype(jnp.float32), d)
+  g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+  np.testing.assert_allclose(got, optax.tree.vdot(g32, up), rtol=1e-4)
