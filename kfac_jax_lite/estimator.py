@@ -347,6 +347,15 @@ def _unstack_group(tree, n) -> list:
   return [jax.tree.map(lambda x, j=j: x[j], tree) for j in range(n)]
 
 
+def _per_layer(groups, per_group, num_layers) -> list:
+  """Per-layer entries from per-group ones (stacked for groups of 2+)."""
+  out = [None] * num_layers
+  for g, r in zip(groups, per_group):
+    for i, part in zip(g, [r] if len(g) == 1 else _unstack_group(r, len(g))):
+      out[i] = part
+  return out
+
+
 def _run_grouped(groups, blocks, fn, *args, static=None):
   """``fn(block, *args_i)`` per layer, one ``jax.vmap`` per group of indices.
 
@@ -774,31 +783,35 @@ class FisherEstimator:
     """The per-layer :class:`EstimatorState` of a :class:`GroupedState`."""
     if not isinstance(state, GroupedState):
       return state
-    blocks = [None] * len(self.blocks)
-    for g, st in zip(state.groups, state.blocks):
-      parts = [st] if len(g) == 1 else _unstack_group(st, len(g))
-      for i, part in zip(g, parts):
-        blocks[i] = part
+    blocks = _per_layer(state.groups, state.blocks, len(self.blocks))
     return EstimatorState(blocks=tuple(blocks),
                           params_stats=state.params_stats,
                           params_weight=state.params_weight)
 
-  def _grouped_ema(self, state: GroupedState, stats, decay) -> list:
+  def _per_group(self, state: GroupedState, fn, xs) -> list:
+    """``fn(block, group_state, x)`` per group of ``state``: one ``vmap``
+    over the group's stacked state and its layers' ``xs`` (per-layer
+    entries), or layer by layer when those differ in shape. Results are
+    per group, stacked like ``state.blocks``."""
     out = []
     for g, st in zip(state.groups, state.blocks):
       b = self.blocks[g[0]]
       if len(g) == 1:
-        out.append(b.update_curvature(st, stats[g[0]], decay))
+        out.append(fn(b, st, xs[g[0]]))
         continue
-      members = [stats[i] for i in g]
+      members = [xs[i] for i in g]
       if len({_shapes(m) for m in members}) == 1:
-        out.append(jax.vmap(lambda s_, x, b=b: b.update_curvature(
-            s_, x, decay))(st, _stack_group(members)))
-      else:  # Statistics of different shapes: one layer at a time.
+        out.append(jax.vmap(lambda s_, x, b=b: fn(b, s_, x))(
+            st, _stack_group(members)))
+      else:  # Inputs of different shapes: one layer at a time.
         out.append(_stack_group([
-            b.update_curvature(s_, x, decay)
+            fn(b, s_, x)
             for s_, x in zip(_unstack_group(st, len(g)), members)]))
     return out
+
+  def _grouped_ema(self, state: GroupedState, stats, decay) -> list:
+    return self._per_group(
+        state, lambda b, s_, x: b.update_curvature(s_, x, decay), stats)
 
   def _grouped_update_cache(self, state: GroupedState, damping,
                             layers=None) -> GroupedState:
@@ -907,16 +920,8 @@ class FisherEstimator:
     if not isinstance(state, GroupedState):
       out = _grouped(self.blocks, state.blocks, fn, parts)
       return self._merge(v, leaves, out)
-    out = [None] * len(self.blocks)
-    for g, st in zip(state.groups, state.blocks):
-      b = self.blocks[g[0]]
-      if len(g) == 1:
-        out[g[0]] = fn(b, st, parts[g[0]])
-        continue
-      res = jax.vmap(lambda s_, x, b=b: fn(b, s_, x))(
-          st, _stack_group([parts[i] for i in g]))
-      for i, r in zip(g, _unstack_group(res, len(g))):
-        out[i] = r
+    out = _per_layer(state.groups, self._per_group(state, fn, parts),
+                     len(self.blocks))
     return self._merge(v, leaves, out)
 
   def multiply_matpower(self, state, v, exp):

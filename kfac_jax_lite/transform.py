@@ -158,7 +158,7 @@ class Curvature:
         stats = lambda key: self.estimator.stats_from(linearized, key)  # noqa: E731
       batch = None
     check_batch_and_stats(batch, stats)
-    # The estimator folds the key with the axis index (per-replica draws).
+    # The estimator hashes the key with the axis index (per-replica draws).
     key, next_rng = keys_lib.step_keys(state.rng)
     count = state.count
     # Same-shaped blocks stacked for the whole step (one array per group
