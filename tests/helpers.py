@@ -1,6 +1,7 @@
 """Small models and explicit reference computations shared by the tests."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -81,3 +82,16 @@ def assert_trees_close(a, b, rtol):
     assert x.shape == y.shape
     err, ref = np.linalg.norm(x - y), np.linalg.norm(y)
     assert err <= rtol * ref, f"relative error {err / ref:.3g} > {rtol}"
+
+
+def count_primitive(jaxpr, primitive, scope="") -> int:
+  """``primitive`` equations of ``jaxpr`` (recursively, into sub-jaxprs)
+  under ``jax.named_scope(scope)`` (any scope by default)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == primitive
+        and scope in str(eqn.source_info.name_stack)):
+      n += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += count_primitive(sub, primitive, scope)
+  return n

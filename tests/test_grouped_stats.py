@@ -9,7 +9,6 @@ only that layer's factors as they were, and that the number of statistics
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -156,18 +155,6 @@ def test_transform_step_matches_ungrouped_reference():
                                1e-4)
 
 
-def _count(jaxpr, primitive, scope) -> int:
-  """``primitive`` equations under ``jax.named_scope(scope)``, recursively."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    if (eqn.primitive.name == primitive
-        and scope in str(eqn.source_info.name_stack)):
-      n += 1
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      n += _count(sub, primitive, scope)
-  return n
-
-
 def test_statistics_dots_do_not_grow_with_same_shaped_layers():
   counts = []
   for depth in (2, 6):
@@ -176,7 +163,8 @@ def test_statistics_dots_do_not_grow_with_same_shaped_layers():
     collection = kl.scan(loss_fn, params, batch)
     vgs = kl.value_grad_and_stats(loss_fn, collection)
     jaxpr = jax.make_jaxpr(vgs)(params, batch, jax.random.PRNGKey(0))
-    counts.append(_count(jaxpr.jaxpr, "dot_general", "kfac_stats"))
+    counts.append(helpers.count_primitive(jaxpr.jaxpr, "dot_general",
+                                          "kfac_stats"))
   # A and G of 3 groups (first, the same-shaped middle ones, last).
   assert counts[0] == counts[1] == 6, counts
 
@@ -189,5 +177,5 @@ def test_ema_checks_do_not_grow_with_same_shaped_layers():
     stats = est.compute_stats(params, batch, jax.random.PRNGKey(0))
     jaxpr = jax.make_jaxpr(lambda s, st: est.update_curvature(
         s, stats=st))(state, stats)
-    counts.append(_count(jaxpr.jaxpr, "is_finite", "kfac_ema"))
+    counts.append(helpers.count_primitive(jaxpr.jaxpr, "is_finite", "kfac_ema"))
   assert counts[0] == counts[1] == 3, counts

@@ -2,7 +2,6 @@
 independence, distributions, and no threefry in a K-FAC step."""
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -105,16 +104,6 @@ def test_loss_samples_follow_the_model_distribution(kind):
     np.testing.assert_allclose(y.mean(0), jax.nn.sigmoid(z[0]), atol=0.015)
 
 
-def _count_primitive(jaxpr, name) -> int:
-  """Equations of primitive ``name`` in ``jaxpr``, recursively."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == name
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      n += _count_primitive(sub, name)
-  return n
-
-
 def test_a_kfac_step_runs_no_threefry():
   """The sampled Fisher's keys (step, loss, sample) and draws are hashed:
   a step of kfac() with value_grad_and_stats runs no threefry (split,
@@ -132,7 +121,7 @@ def test_a_kfac_step_runs_no_threefry():
   jaxpr = jax.make_jaxpr(step)(params, state, jax.random.PRNGKey(0)).jaxpr
   for derivation in ("threefry2x32", "random_split", "random_fold_in",
                      "random_bits"):
-    assert _count_primitive(jaxpr, derivation) == 0, derivation
+    assert helpers.count_primitive(jaxpr, derivation) == 0, derivation
   _, _, s1 = jax.jit(step)(params, state, jax.random.PRNGKey(0))
   _, _, s2 = jax.jit(step)(params, state, jax.random.PRNGKey(1))
   diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), s1, s2)
