@@ -65,39 +65,46 @@ class EstimatorState(NamedTuple):
   params_weight: Any     # [] its EMA weight, or ()
 
 
-@jax.tree_util.register_pytree_node_class
-class GroupedState:
-  """An :class:`EstimatorState` with same-shaped blocks stacked (internal).
+class GroupedState(NamedTuple):
+  """An :class:`EstimatorState` with same-shaped blocks stacked.
 
-  ``groups`` (static) lists the layer indices of each group of blocks that
-  differ only in their layer (:func:`_groups`); ``blocks`` holds one state
-  per group, stacked along a new leading axis when the group has more than
-  one layer. The transforms convert once per step
-  (:meth:`FisherEstimator.group_state` / :meth:`~FisherEstimator.ungroup_state`)
-  so that the statistics' EMA, the refresh's conditional and the products
-  see one array per group and leaf instead of one per layer: the compiled
-  step then has ``O(groups)`` kernels there instead of ``O(layers)``.
+  ``stacked`` maps each group of blocks that differ only in their layer
+  (:func:`_groups`) to one state, stacked along a new leading axis when the
+  group has more than one layer. Its keys name the group's layer indices
+  (``"3"``, ``"1,2,4"``), so the grouping is part of the pytree structure
+  and survives ``jit``, checkpoints and flax serialisation. This is the
+  estimator state the transforms keep in the optax state
+  (``CurvatureState.estimator``): the statistics' EMA, the refresh's
+  conditional and the products see one array per group and leaf instead
+  of one per layer, so the compiled step has ``O(groups)`` kernels there
+  instead of ``O(layers)``, and no step splits the state per layer to
+  stack it again (at depth 48 those slices were a third of the compile).
+
+  ``blocks`` is the per-layer view, as :class:`EstimatorState` has it
+  (``state.estimator.blocks[i].a``): read-only, sliced out of the stacks
+  when asked for. :meth:`FisherEstimator.group_state` and
+  :meth:`~FisherEstimator.ungroup_state` convert between the two forms;
+  every estimator method accepts either.
   """
+  stacked: dict          # "i,j,..." -> the group's (stacked) block state
+  params_stats: Any      # as EstimatorState
+  params_weight: Any
 
-  def __init__(self, groups, blocks, params_stats, params_weight):
-    self.groups = groups
-    self.blocks = blocks
-    self.params_stats = params_stats
-    self.params_weight = params_weight
+  @property
+  def groups(self) -> tuple:
+    """The layer indices of each group, in the order of ``stacked``."""
+    return tuple(tuple(int(i) for i in k.split(",")) for k in self.stacked)
 
-  def tree_flatten(self):
-    return (self.blocks, self.params_stats, self.params_weight), self.groups
+  @property
+  def blocks(self) -> tuple:
+    """One block state per layer, in collection order."""
+    groups = self.groups
+    return tuple(_per_layer(groups, list(self.stacked.values()),
+                            sum(len(g) for g in groups)))
 
-  @classmethod
-  def tree_unflatten(cls, groups, children):
-    return cls(groups, *children)
 
-  def replace(self, **kwargs):
-    fields = dict(groups=self.groups, blocks=self.blocks,
-                  params_stats=self.params_stats,
-                  params_weight=self.params_weight)
-    fields.update(kwargs)
-    return GroupedState(**fields)
+def _group_name(group) -> str:
+  return ",".join(str(i) for i in group)
 
 
 # ---------------------------------------------------------------------------
@@ -343,26 +350,46 @@ def _stack_group(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def _unstack_group(tree, n) -> list:
-  return [jax.tree.map(lambda x, j=j: x[j], tree) for j in range(n)]
+def _unstack_group(tree, n, runtime_index=False) -> list:
+  """The ``n`` slices of a stacked tree, ``[x[0], ..., x[n-1]]``.
+
+  With ``runtime_index`` each ``x[j]`` is a ``dynamic_slice`` at an index
+  XLA does not know at compile time (:func:`linalg.opaque_indices`): the
+  kernels that consume the slices of one group are then one kernel with
+  different arguments, which XLA compiles once, where a static slice
+  bakes ``j`` into each kernel (at depth 48 of
+  ``benchmarks/compile_depth.py``: 196 kernels compiled one by one). Use
+  it where the slices are materialised anyway (outputs); static slices
+  let XLA cancel a split followed by a stack.
+  """
+  if not runtime_index:
+    return [jax.tree.map(lambda x, j=j: x[j], tree) for j in range(n)]
+  index = linalg.opaque_indices(n, jax.tree.leaves(tree)[0])
+  return [jax.tree.map(
+      lambda x, j=j: jax.lax.dynamic_index_in_dim(x, j, keepdims=False),
+      tree) for j in index]
 
 
-def _per_layer(groups, per_group, num_layers) -> list:
-  """Per-layer entries from per-group ones (stacked for groups of 2+)."""
+def _per_layer(groups, per_group, num_layers, runtime_index=False) -> list:
+  """Per-layer entries from per-group ones (stacked for groups of 2+;
+  ``runtime_index`` as :func:`_unstack_group`)."""
   out = [None] * num_layers
   for g, r in zip(groups, per_group):
-    for i, part in zip(g, [r] if len(g) == 1 else _unstack_group(r, len(g))):
+    parts = [r] if len(g) == 1 else _unstack_group(r, len(g), runtime_index)
+    for i, part in zip(g, parts):
       out[i] = part
   return out
 
 
-def _run_grouped(groups, blocks, fn, *args, static=None):
+def _run_grouped(groups, blocks, fn, *args, static=None, per_group=None):
   """``fn(block, *args_i)`` per layer, one ``jax.vmap`` per group of indices.
 
   Every group's blocks must be equal up to their layer and its ``args``
   must have equal structures and shapes; ``args`` are per-layer lists (an
   entry None is passed as None). ``static``: optional per-layer Python
-  values, equal within a group, passed last and unbatched.
+  values, equal within a group, passed last and unbatched. ``per_group``:
+  an optional list that receives each group's result as computed (stacked
+  for groups of 2+), before it is split per layer.
   """
   out = [None] * len(blocks)
   static = static if static is not None else [None] * len(blocks)
@@ -370,9 +397,13 @@ def _run_grouped(groups, blocks, fn, *args, static=None):
     b, st = blocks[idx[0]], static[idx[0]]
     if len(idx) == 1:
       out[idx[0]] = fn(b, *[a[idx[0]] for a in args], st)
+      if per_group is not None:
+        per_group.append(out[idx[0]])
       continue
     stacked = [_stack_group([a[i] for i in idx]) for a in args]
     res = jax.vmap(lambda *xs, b=b, st=st: fn(b, *xs, st))(*stacked)
+    if per_group is not None:
+      per_group.append(res)
     for i, r in zip(idx, _unstack_group(res, len(idx))):
       out[i] = r
   return out
@@ -398,14 +429,14 @@ def _keyed_groups(keys) -> list:
   return list(groups.values())
 
 
-def _grouped_compute_stats(blocks, layer_data) -> list:
+def _grouped_compute_stats(blocks, layer_data, per_group=None) -> list:
   """``block.compute_stats(data)`` per layer, one ``vmap`` per group.
 
   Layers whose blocks are equal up to their layer, with equal parameter
   shapes and equal ``LayerData`` structure, shapes and (static) batch size,
   are stacked: the statistics of ``L`` same-shaped layers are one batched
   computation (one ``dot_general`` per factor for the group, not ``L``),
-  split back per layer.
+  split back per layer (``per_group`` as :func:`_run_grouped`).
   """
   data = [d._replace(batch_size=None) for d in layer_data]
   sizes = [d.batch_size for d in layer_data]
@@ -414,7 +445,7 @@ def _grouped_compute_stats(blocks, layer_data) -> list:
   return _run_grouped(
       _keyed_groups(keys), blocks,
       lambda b, d, n: b.compute_stats(d._replace(batch_size=n)),
-      data, static=sizes)
+      data, static=sizes, per_group=per_group)
 
 
 def _grouped_update_curvature(blocks, states, stats, decay) -> list:
@@ -691,13 +722,19 @@ class FisherEstimator:
 
   def _stats_from_pass(self, p: _Pass, params):
     with jax.named_scope("kfac_stats"):
-      block_stats = tuple(_grouped_compute_stats(self.blocks, p.layer_data))
+      grouped = []
+      block_stats = tuple(_grouped_compute_stats(self.blocks, p.layer_data,
+                                                 grouped))
     params_stats = ()
     if self.compute_params_stats:
       batch_size = p.layer_data[0].batch_size if p.layer_data else 1
       leaves = [jnp.sum(g, axis=0).astype(linalg.factor_dtype()) / batch_size
                 for g in p.param_grads_all]
       params_stats = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    # Checked on the stacked groups, before they are split per layer: a
+    # check of the per-layer statistics compiled one slice kernel per
+    # layer and factor (a third of the statistics' compile at depth 48).
+    marker = linalg.finite_marker((grouped, params_stats))
     if self.axis_name is not None:
       # Generic blocks were reduced in the pass (psum of their gradients);
       # the others are means over examples: average them unless deferred.
@@ -708,7 +745,7 @@ class FisherEstimator:
       block_stats = tuple(s if a is None else a
                           for s, a in zip(block_stats, avg))
     return {"blocks": block_stats, "params": params_stats,
-            "averaged_over": self._stats_tag()}
+            "finite_marker": marker, "averaged_over": self._stats_tag()}
 
   def _check_stats_tag(self, stats):
     if not isinstance(stats, dict) or "averaged_over" not in stats:
@@ -757,8 +794,8 @@ class FisherEstimator:
       ps = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_ps, ps)
       pw = jnp.where(finite, new_pw, pw)
     if isinstance(state, GroupedState):
-      return state.replace(blocks=new_blocks, params_stats=ps,
-                           params_weight=pw)
+      return state._replace(stacked=dict(zip(state.stacked, new_blocks)),
+                            params_stats=ps, params_weight=pw)
     return EstimatorState(blocks=new_blocks, params_stats=ps,
                           params_weight=pw)
 
@@ -776,15 +813,14 @@ class FisherEstimator:
     groups = tuple(tuple(g) for g in _groups(self.blocks, state.blocks))
     blocks = tuple(state.blocks[g[0]] if len(g) == 1 else
                    _stack_group([state.blocks[i] for i in g]) for g in groups)
-    return GroupedState(groups, blocks, state.params_stats,
-                        state.params_weight)
+    return GroupedState(dict(zip(map(_group_name, groups), blocks)),
+                        state.params_stats, state.params_weight)
 
   def ungroup_state(self, state) -> EstimatorState:
     """The per-layer :class:`EstimatorState` of a :class:`GroupedState`."""
     if not isinstance(state, GroupedState):
       return state
-    blocks = _per_layer(state.groups, state.blocks, len(self.blocks))
-    return EstimatorState(blocks=tuple(blocks),
+    return EstimatorState(blocks=state.blocks,
                           params_stats=state.params_stats,
                           params_weight=state.params_weight)
 
@@ -792,9 +828,9 @@ class FisherEstimator:
     """``fn(block, group_state, x)`` per group of ``state``: one ``vmap``
     over the group's stacked state and its layers' ``xs`` (per-layer
     entries), or layer by layer when those differ in shape. Results are
-    per group, stacked like ``state.blocks``."""
+    per group, stacked like ``state.stacked``."""
     out = []
-    for g, st in zip(state.groups, state.blocks):
+    for g, st in zip(state.groups, state.stacked.values()):
       b = self.blocks[g[0]]
       if len(g) == 1:
         out.append(fn(b, st, xs[g[0]]))
@@ -821,10 +857,11 @@ class FisherEstimator:
     # factors of nearby sizes share padded buckets (_bucketed_update_cache).
     alone = [k for k, g in enumerate(state.groups) if len(g) == 1 and (
         wanted is None or g[0] in wanted)]
+    stacked = list(state.stacked.values())
     refreshed = dict(zip(alone, _bucketed_update_cache(
         [self.blocks[state.groups[k][0]] for k in alone],
-        [state.blocks[k] for k in alone], damping)))
-    for k, (g, st) in enumerate(zip(state.groups, state.blocks)):
+        [stacked[k] for k in alone], damping)))
+    for k, (g, st) in enumerate(zip(state.groups, stacked)):
       b = self.blocks[g[0]]
       fn = lambda s_, b=b: b.update_cache(s_, damping)  # noqa: E731
       pos = [j for j, i in enumerate(g) if wanted is None or i in wanted]
@@ -838,7 +875,7 @@ class FisherEstimator:
         idx = jnp.asarray(pos)
         new = jax.vmap(fn)(jax.tree.map(lambda x: x[idx], st))
         out.append(jax.tree.map(lambda x, n: x.at[idx].set(n), st, new))
-    return state.replace(blocks=tuple(out))
+    return state._replace(stacked=dict(zip(state.stacked, out)))
 
   def sync_factors(self, state: EstimatorState, layers=None):
     """Averages the factors over ``axis_name`` (no-op without an axis).
@@ -856,6 +893,9 @@ class FisherEstimator:
     """
     if self.axis_name is None:
       return state
+    if isinstance(state, GroupedState):
+      return self.group_state(self.sync_factors(self.ungroup_state(state),
+                                                layers))
     idx = range(len(self.blocks)) if layers is None else tuple(layers)
     new = distributed.average_factors([self.blocks[i] for i in idx],
                                       [state.blocks[i] for i in idx],
@@ -916,20 +956,41 @@ class FisherEstimator:
     return jax.tree.unflatten(jax.tree.structure(v), leaves)
 
   def _apply(self, state, v, fn: Callable):
+    per_group, merge = self._apply_by_group(state, v, fn)
+    return merge(per_group)
+
+  def _apply_by_group(self, state, v, fn: Callable):
+    """``fn`` per group: ``(results, merge)`` with ``merge(results)`` the
+    params-shaped product; ``results`` are stacked per group of a
+    :class:`GroupedState` (per layer otherwise)."""
     leaves, parts = self._split(v)
     if not isinstance(state, GroupedState):
-      out = _grouped(self.blocks, state.blocks, fn, parts)
-      return self._merge(v, leaves, out)
-    out = _per_layer(state.groups, self._per_group(state, fn, parts),
-                     len(self.blocks))
-    return self._merge(v, leaves, out)
+      return (_grouped(self.blocks, state.blocks, fn, parts),
+              lambda out: self._merge(v, leaves, out))
+    groups, n = state.groups, len(self.blocks)
+    return (self._per_group(state, fn, parts),
+            lambda out: self._merge(v, leaves, _per_layer(
+                groups, out, n, runtime_index=True)))
 
   def multiply_matpower(self, state, v, exp):
     """``F̂^exp v`` (damped) for a params-shaped ``v``."""
+    per_group, merge = self.multiply_matpower_by_group(state, v, exp)
+    return merge(per_group)
+
+  def multiply_matpower_by_group(self, state, v, exp):
+    """:meth:`multiply_matpower` in two parts: ``(results, merge)``.
+
+    ``results`` is a pytree of the products stacked per group of
+    same-shaped layers (of a :class:`GroupedState`), ``merge(results)``
+    the params-shaped ``F̂^exp v``. Splitting the stacks per layer costs
+    one kernel per parameter leaf where the slices must be materialised
+    (e.g. as the operands of a ``lax.cond``); pass ``results`` there and
+    call ``merge`` inside, where the slices fuse with their consumers.
+    """
     for b in self.blocks:
       blocks_lib.base.check_exp(b, exp)
-    return self._apply(state, v,
-                       lambda b, s, x: b.multiply_matpower(s, x, exp))
+    return self._apply_by_group(
+        state, v, lambda b, s, x: b.multiply_matpower(s, x, exp))
 
   def multiply(self, state, v):
     return self.multiply_matpower(state, v, 1)

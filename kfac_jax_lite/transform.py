@@ -79,7 +79,7 @@ class CurvatureState(NamedTuple):
   rng: jnp.ndarray                  # [2] uint32, key for sampled targets
   num_cov_updates: jnp.ndarray      # [] int32, statistics updates done
   num_inverse_updates: jnp.ndarray  # [] int32, steps that refreshed a cache
-  estimator: estimator_lib.EstimatorState
+  estimator: estimator_lib.GroupedState  # same-shaped blocks stacked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,8 @@ class Curvature:
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
     return CurvatureState(count=zero(), rng=jax.random.PRNGKey(self.seed),
                           num_cov_updates=zero(), num_inverse_updates=zero(),
-                          estimator=self.estimator.init(params))
+                          estimator=self.estimator.group_state(
+                              self.estimator.init(params)))
 
   def _static_every_step(self, period) -> bool:
     return isinstance(period, int) and period == 1
@@ -161,9 +162,10 @@ class Curvature:
     # The estimator hashes the key with the axis index (per-replica draws).
     key, next_rng = keys_lib.step_keys(state.rng)
     count = state.count
-    # Same-shaped blocks stacked for the whole step (one array per group
-    # and leaf through the EMA and the refresh's conditional; see
-    # estimator.GroupedState), split back per layer once at the end.
+    # Same-shaped blocks stay stacked in the state (one array per group
+    # and leaf through the EMA, the refresh's conditional and the
+    # products; see estimator.GroupedState). A per-layer state (from an
+    # older checkpoint or FisherEstimator.init) is stacked here.
     est = self.estimator
     grouped = est.group_state(state.estimator)
 
@@ -192,7 +194,7 @@ class Curvature:
         count=count + (1 if gate is None else one(gate)), rng=next_rng,
         num_cov_updates=state.num_cov_updates + one(do_cov),
         num_inverse_updates=state.num_inverse_updates + one(do_inv),
-        estimator=est.ungroup_state(est_state))
+        estimator=est_state)
 
 
 def select_tree(pred, new, old):
@@ -297,8 +299,10 @@ def scale_by_kfac(collection: LayerCollection, *,
       seed=seed, stagger=stagger_inverse_updates, **estimator_kwargs)
   est = curvature.estimator
 
-  def update_fn(updates, state, params=None, *, batch=None, stats=None,
-                **extra_args):
+  def update_by_group(updates, state, params=None, *, batch=None,
+                      stats=None, **extra_args):
+    """``(results, merge, state)``: the direction is ``merge(results)``
+    (see :meth:`FisherEstimator.multiply_matpower_by_group`)."""
     del extra_args  # Unknown extra args are ignored (optax.chain forwards).
     if params is None:
       raise ValueError("scale_by_kfac.update needs params=... (the current "
@@ -308,15 +312,29 @@ def scale_by_kfac(collection: LayerCollection, *,
     state = curvature.step(state, params, batch, stats,
                            value_at(damping, count),
                            gate=inputs_finite(updates, stats, axis_name))
-    direction = est.multiply_matpower(state.estimator, updates, power)
-    if norm_constraint is not None:
-      nu = kl_clip_coefficient(direction, updates,
-                               value_at(learning_rate, count),
-                               norm_constraint)
-      direction = jax.tree.map(lambda d: (nu * d).astype(d.dtype), direction)
-    return direction, state
+    results, merge = est.multiply_matpower_by_group(state.estimator,
+                                                    updates, power)
+    if norm_constraint is None:
+      return results, merge, state
+    nu = kl_clip_coefficient(merge(results), updates,
+                             value_at(learning_rate, count), norm_constraint)
+    return results, lambda r: jax.tree.map(
+        lambda d: (nu * d).astype(d.dtype), merge(r)), state
 
-  return optax.GradientTransformationExtraArgs(curvature.init, update_fn)
+  def update_fn(updates, state, params=None, **extra_args):
+    results, merge, state = update_by_group(updates, state, params,
+                                            **extra_args)
+    return merge(results), state
+
+  tx = _ScaleByKFAC(curvature.init, update_fn)
+  tx.update_by_group = update_by_group
+  return tx
+
+
+class _ScaleByKFAC(optax.GradientTransformationExtraArgs):
+  """``scale_by_kfac``'s transformation; also carries ``update_by_group``
+  (the update before the direction is split per parameter), for
+  :func:`kfac`. No ``__slots__``, so instances take that attribute."""
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -374,9 +392,19 @@ def inputs_finite(updates, stats=None, axis_name=None) -> jnp.ndarray:
   With ``axis_name``: on every replica of the axis (the replicas' inputs
   may differ, e.g. statistics under ``stats_sync="before_refresh"``), so
   every replica takes the same decision and their states never drift.
+
+  Statistics from :func:`~kfac_jax_lite.value_grad_and_stats` carry
+  ``"finite_marker"`` (:func:`kfac_jax_lite.linalg.finite_marker` of
+  them, taken on the stacked groups before they were split per layer);
+  it stands for their leaves here. Other ``stats`` are checked leaf by
+  leaf.
   """
-  finite = linalg.all_finite([updates] + ([stats] if stats is not None
-                                          else []))
+  check = [updates]
+  if isinstance(stats, dict) and "finite_marker" in stats:
+    check.append(stats["finite_marker"])
+  elif stats is not None:
+    check.append(stats)
+  finite = linalg.all_finite(check)
   if axis_name is not None:
     distributed.axis_size(axis_name)  # A clear error if it is not bound.
     finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
@@ -440,13 +468,19 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   def update_fn(updates, state, params=None, **extra_args):
     finite = inputs_finite(updates, extra_args.get("stats"),
                            scale_by_kfac_kwargs.get("axis_name"))
-    direction, curvature = precondition.update(updates, state.inner[0],
-                                               params, **extra_args)
+    # The direction enters the conditional stacked per group and is split
+    # per parameter inside, where the slices fuse with the momentum update
+    # (split outside, each was a kernel of its own: 196 of them, 1 s of
+    # compile, at depth 48 of benchmarks/compile_depth.py).
+    results, merge, curvature = precondition.update_by_group(
+        updates, state.inner[0], params, **extra_args)
     rest_state = tuple(state.inner[1:])
     new_updates, rest_state = lax.cond(
         finite,
-        lambda: rest.update(direction, rest_state, params, **extra_args),
-        lambda: (jax.tree.map(jnp.zeros_like, direction), rest_state))
+        lambda: rest.update(merge(results), rest_state, params,
+                            **extra_args),
+        lambda: (jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype),
+                              updates), rest_state))
     return new_updates, SkipNonFiniteState(
         state.num_skipped + (~finite).astype(jnp.int32),
         (curvature,) + tuple(rest_state))

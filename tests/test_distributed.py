@@ -122,10 +122,14 @@ def _steps(mapping, make_tx, params, batches, mesh):
   return directions, state
 
 
-def _factors(state):
-  """The factor fields of every block (no caches)."""
+def _factors(state, replicated=False):
+  """The factor fields of every block (no caches). A replicated state
+  (leading replica axis) is split per layer under ``vmap``, so that the
+  stacked groups are split past the replica axis."""
+  blocks = (jax.vmap(lambda e: e.blocks)(state.estimator) if replicated
+            else state.estimator.blocks)
   return [{k: v for k, v in b._asdict().items() if k in ("a", "g", "diag")}
-          for b in state.estimator.blocks]
+          for b in blocks]
 
 
 @pytest.fixture(name="one_device", scope="module")
@@ -297,7 +301,7 @@ def test_stats_synced_before_refresh(problem):
 
   every, before = run("every_update"), run("before_refresh")
   for step, ((d_e, s_e), (d_b, s_b)) in enumerate(zip(every, before)):
-    f_e, f_b = _factors(s_e), _factors(s_b)
+    f_e, f_b = _factors(s_e, True), _factors(s_b, True)
     # The average of the local factors is the globally averaged EMA.
     helpers.assert_trees_close(jax.tree.map(lambda x: x.mean(0), f_b),
                                _first(f_e), rtol=1e-5)

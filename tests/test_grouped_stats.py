@@ -179,3 +179,117 @@ def test_ema_checks_do_not_grow_with_same_shaped_layers():
         s, stats=st))(state, stats)
     counts.append(helpers.count_primitive(jaxpr.jaxpr, "is_finite", "kfac_ema"))
   assert counts[0] == counts[1] == 3, counts
+
+
+def _slices_outside(jaxpr, scope) -> int:
+  """``slice`` equations of ``jaxpr`` (recursively) not under ``scope``."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "slice"
+        and scope not in str(eqn.source_info.name_stack)):
+      n += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += _slices_outside(sub, scope)
+  return n
+
+
+def test_transform_state_stays_stacked():
+  """The optax state keeps same-shaped blocks stacked across steps: no
+  per-layer split (and re-stack) of the curvature state in the step, and
+  the per-layer view equals the ungrouped state."""
+  params, batch, loss_fn = _problem()
+  collection = kl.scan(loss_fn, params, batch)
+  tx = kl.kfac(0.1, collection, damping=1e-2, inverse_update_period=1)
+  state = tx.init(params)
+  est_state = state.inner[0].estimator
+  assert isinstance(est_state, estimator_lib.GroupedState)
+  assert sorted(est_state.groups) == [(0,), (1, 2, 3), (4,)]
+  grads = jax.grad(loss_fn)(params, batch)
+  _, state = jax.jit(lambda g, s: tx.update(g, s, params, batch=batch))(
+      grads, state)
+  est_state = state.inner[0].estimator
+  assert isinstance(est_state, estimator_lib.GroupedState)
+  stacked = est_state.stacked["1,2,3"]
+  assert stacked.a.shape == (3, 7, 7) and stacked.g.shape == (3, 6, 6)
+  view = est_state.blocks
+  assert len(view) == 5
+  for i in (1, 2, 3):
+    np.testing.assert_array_equal(view[i].a, stacked.a[i - 1])
+    np.testing.assert_array_equal(view[i].cache["a^-1"],
+                                  stacked.cache["a^-1"][i - 1])
+  # Restored from flax's serialisation with the same structure.
+  from flax import serialization  # pylint: disable=import-outside-toplevel
+  back = serialization.from_bytes(tx.init(params),
+                                  serialization.to_bytes(state))
+  assert jax.tree.structure(back) == jax.tree.structure(state)
+
+  counts = []
+  for depth in (2, 6):
+    sizes = [8] + [6] * depth + [3]
+    params, batch, loss_fn = _problem(sizes)
+    collection = kl.scan(loss_fn, params, batch)
+    tx = kl.kfac(0.1, collection, damping=1e-2)
+    vgs = kl.value_grad_and_stats(loss_fn, collection)
+
+    def step(params, state, batch, tx=tx, vgs=vgs):
+      _, grads, stats = vgs(params, batch, jax.random.PRNGKey(0))
+      return tx.update(grads, state, params, stats=stats)
+
+    jaxpr = jax.make_jaxpr(step)(params, tx.init(params), batch)
+    # The statistics are split per layer (stats["blocks"]) and stacked
+    # again; XLA cancels that pair. Nothing else is split per layer.
+    counts.append(_slices_outside(jaxpr.jaxpr, "kfac_stats"))
+  assert counts[0] == counts[1], counts
+
+
+def test_finite_marker_stands_for_the_statistics():
+  est, params, batch = _estimator()
+  stats = jax.jit(lambda p: est.compute_stats(p, batch, jax.random.PRNGKey(
+      0)))(params)
+  assert float(stats["finite_marker"]) == 0.0
+  # A NaN weight in a layer of the stacked group: statistics of the group,
+  # hence the marker, are NaN.
+  bad = jax.tree.map(lambda x: x, params)
+  bad["layer2"]["w"] = bad["layer2"]["w"].at[0, 0].set(jnp.nan)
+  bad_stats = est.compute_stats(bad, batch, jax.random.PRNGKey(0))
+  assert not all(np.all(np.isfinite(x))
+                 for x in jax.tree.leaves(bad_stats["blocks"][1:4]))
+  assert np.isnan(bad_stats["finite_marker"])
+  grads = jax.grad(helpers.classifier_loss)(params, batch)
+  from kfac_jax_lite import transform  # pylint: disable=import-outside-toplevel
+  assert bool(transform.inputs_finite(grads, stats))
+  assert not bool(transform.inputs_finite(grads, bad_stats))
+  # The marker of an average of statistics is the average of the markers.
+  mean = jax.tree.map(lambda x, y: (x + y) / 2,
+                      dict(stats, averaged_over=()),
+                      dict(bad_stats, averaged_over=()))
+  assert not bool(transform.inputs_finite(grads, mean))
+  # Stats without a marker are checked leaf by leaf.
+  bare = {k: v for k, v in bad_stats.items() if k != "finite_marker"}
+  assert not bool(transform.inputs_finite(grads, bare))
+  # The check reads the marker, not every layer's statistics.
+  jaxpr = jax.make_jaxpr(transform.inputs_finite)(grads, stats)
+  assert helpers.count_primitive(jaxpr.jaxpr, "reduce_sum") <= len(
+      jax.tree.leaves(grads)), jaxpr
+
+
+@pytest.mark.parametrize("first", [0.0, 1.0])
+def test_opaque_indices_are_exact(first):
+  from kfac_jax_lite import linalg  # pylint: disable=import-outside-toplevel
+  like = jnp.full((2, 3), first)
+  got = jax.jit(lambda x: linalg.opaque_indices(4, x))(like)
+  assert [int(i) for i in got] == [0, 1, 2, 3]
+
+
+def test_split_at_runtime_indices_equals_static_split():
+  tree = {"a": jnp.arange(24.0).reshape(4, 3, 2), "b": jnp.arange(4.0)}
+  static = estimator_lib._unstack_group(tree, 4)  # pylint: disable=protected-access
+  fn = lambda t: estimator_lib._unstack_group(t, 4, runtime_index=True)  # pylint: disable=protected-access  # noqa: E731
+  for g, w in zip(jax.jit(fn)(tree), static):
+    helpers.assert_trees_close(g, w, 0.0)
+  jaxpr = jax.make_jaxpr(fn)(tree).jaxpr
+  assert helpers.count_primitive(jaxpr, "dynamic_slice") == 8
+  # One static slice: the element read by the conditional's predicate.
+  assert helpers.count_primitive(jaxpr, "slice") == 1
+  # Each index is an output of one conditional, not a literal.
+  assert helpers.count_primitive(jaxpr, "cond") == 1
