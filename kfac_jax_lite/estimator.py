@@ -959,18 +959,25 @@ class FisherEstimator:
     per_group, merge = self._apply_by_group(state, v, fn)
     return merge(per_group)
 
-  def _apply_by_group(self, state, v, fn: Callable):
+  def _apply_by_group(self, state, v, fn: Callable, finish=None):
     """``fn`` per group: ``(results, merge)`` with ``merge(results)`` the
     params-shaped product; ``results`` are stacked per group of a
-    :class:`GroupedState` (per layer otherwise)."""
+    :class:`GroupedState` (per layer otherwise). ``finish(block, r, x)``
+    (optional) turns a layer's result ``r`` into its parameter tuple, in
+    ``merge``."""
     leaves, parts = self._split(v)
+    finish = finish or (lambda b, r, x: r)
+    blocks = self.blocks
+
+    def done(out):
+      return self._merge(v, leaves, [finish(b, r, x) for b, r, x in zip(
+          blocks, out, parts)])
+
     if not isinstance(state, GroupedState):
-      return (_grouped(self.blocks, state.blocks, fn, parts),
-              lambda out: self._merge(v, leaves, out))
+      return _grouped(self.blocks, state.blocks, fn, parts), done
     groups, n = state.groups, len(self.blocks)
     return (self._per_group(state, fn, parts),
-            lambda out: self._merge(v, leaves, _per_layer(
-                groups, out, n, runtime_index=True)))
+            lambda out: done(_per_layer(groups, out, n, runtime_index=True)))
 
   def multiply_matpower(self, state, v, exp):
     """``F̂^exp v`` (damped) for a params-shaped ``v``."""
@@ -981,16 +988,20 @@ class FisherEstimator:
     """:meth:`multiply_matpower` in two parts: ``(results, merge)``.
 
     ``results`` is a pytree of the products stacked per group of
-    same-shaped layers (of a :class:`GroupedState`), ``merge(results)``
-    the params-shaped ``F̂^exp v``. Splitting the stacks per layer costs
-    one kernel per parameter leaf where the slices must be materialised
-    (e.g. as the operands of a ``lax.cond``); pass ``results`` there and
-    call ``merge`` inside, where the slices fuse with their consumers.
+    same-shaped layers (of a :class:`GroupedState`), each a layer's
+    :meth:`~blocks.base.Block.multiply_matpower_raw` (``[W; b]`` as one
+    matrix for dense layers); ``merge(results)`` is the params-shaped
+    ``F̂^exp v``. Splitting the stacks per layer and the matrices per
+    parameter costs a kernel per parameter leaf where the pieces must be
+    materialised (e.g. as the operands of a ``lax.cond``); pass
+    ``results`` there and call ``merge`` inside, where they fuse with
+    their consumers.
     """
     for b in self.blocks:
       blocks_lib.base.check_exp(b, exp)
     return self._apply_by_group(
-        state, v, lambda b, s, x: b.multiply_matpower(s, x, exp))
+        state, v, lambda b, s, x: b.multiply_matpower_raw(s, x, exp),
+        finish=lambda b, r, x: b.finish_product(r, x))
 
   def multiply(self, state, v):
     return self.multiply_matpower(state, v, 1)

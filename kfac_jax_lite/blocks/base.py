@@ -170,6 +170,21 @@ class Block:
   def multiply_cholesky_inverse(self, state, v, transpose=False) -> tuple: ...
   def full_fisher_block(self, state) -> jnp.ndarray: ...
 
+  def multiply_matpower_raw(self, state, v: tuple, exp) -> Any:
+    """:meth:`multiply_matpower` before its last reshaping:
+    ``finish_product(multiply_matpower_raw(s, v, e), v)`` is
+    ``multiply_matpower(s, v, e)``. Blocks whose product is a matrix that
+    is cut into the layer's parameters (``[W; b]``) return the matrix, so
+    the cut can be made where it fuses with its consumer (the estimator
+    makes it inside ``kfac``'s momentum conditional)."""
+    return self.multiply_matpower(state, v, exp)
+
+  def finish_product(self, raw, like: tuple) -> tuple:
+    """The layer's parameter tuple from :meth:`multiply_matpower_raw`
+    (``like``: the vector multiplied, for shapes and dtypes only)."""
+    del like
+    return raw
+
   def multiply(self, state, v):
     return self.multiply_matpower(state, v, 1)
 
