@@ -254,16 +254,20 @@ def kfac_optimizer(collection: LayerCollection, *,
     head = est.linearize_head(params, batch, lin)
     cstate = curvature.step(state.curvature, params, None, stats, lam,
                             linearized=head, gate=finite)
-    delta = jax.tree.map(lambda d: -d, est.multiply_inverse(cstate.estimator,
-                                                            grads))
+    # P = F̂⁻¹ g, and Δ = -P enters through signs only: the Grams and c of
+    # (Δ, δ) are those of (P, δ) with the cross terms and gᵀΔ negated, and
+    # u = -α P + μ δ (no pass over the parameters to negate P).
+    pos = est.multiply_inverse(cstate.estimator, grads)
     prev = state.velocity
-    m = fisher_gram(head, [delta, prev], axis_name)
-    # ΔᵀΔ, Δᵀδ, δᵀδ, gᵀΔ, gᵀδ: one vdot per chunk of leaves each.
+    m = fisher_gram(head, [pos, prev], axis_name)
+    # PᵀP, Pᵀδ, δᵀδ, gᵀP, gᵀδ: one vdot per chunk of leaves each.
     dd, dp, pp, gd, gp = linalg.inner_products(
-        (delta, prev, grads), ((0, 0), (0, 1), (1, 1), (2, 0), (2, 1)))
+        (pos, prev, grads), ((0, 0), (0, 1), (1, 1), (2, 0), (2, 1)))
     gram = jnp.array([[dd, dp], [dp, pp]])
     c = jnp.array([gd, gp])
-    m, gram, c = (x.astype(dt) for x in (m, gram, c))
+    flip = jnp.array([-1.0, 1.0], dt)
+    m, gram = (x.astype(dt) * flip[:, None] * flip[None, :] for x in (m, gram))
+    c = c.astype(dt) * flip
     alpha, mu = quadratic_model_step(
         m, gram, c, lam, adapt_learning_rate=adapt_learning_rate,
         adapt_momentum=adapt_momentum, learning_rate=learning_rate,
@@ -271,7 +275,7 @@ def kfac_optimizer(collection: LayerCollection, *,
     coeffs = jnp.stack([alpha, mu])
     change = 0.5 * coeffs @ (m + l2_reg * gram) @ coeffs + c @ coeffs
     updates = jax.tree.map(
-        lambda d, p: (alpha * d + mu * p).astype(d.dtype), delta, prev)
+        lambda d, p: (-alpha * d + mu * p).astype(d.dtype), pos, prev)
 
     def adapt(_):
       new_params = optax.apply_updates(params, updates)
