@@ -57,6 +57,14 @@ def key_words(key) -> jnp.ndarray:
   return key.reshape(-1)
 
 
+def _absorb(h, words) -> jnp.ndarray:
+  """``fmix32(h_K(... h_1(h)))`` with ``h_j(x) = fmix32(x ^ w_j) + φ``:
+  ``h`` (any shape) chained through the key's words ``w_1..w_K``."""
+  for i in range(words.shape[0]):
+    h = fmix32(h ^ words[i]) + _u32(_GOLDEN)
+  return fmix32(h)
+
+
 def derive(key, index, num_words: int = 2) -> jnp.ndarray:
   """``num_words`` fresh ``uint32`` words from ``key`` and ``index``.
 
@@ -66,10 +74,8 @@ def derive(key, index, num_words: int = 2) -> jnp.ndarray:
   """
   words = key_words(key)
   lanes = _u32(np.array(_LANES * (num_words // 4 + 1))[:num_words])
-  h = fmix32(lanes ^ fmix32(_u32(index) * _u32(_GOLDEN) + _u32(1)))
-  for i in range(words.shape[0]):
-    h = fmix32(h ^ words[i]) + _u32(_GOLDEN)
-  return fmix32(h)
+  return _absorb(
+      fmix32(lanes ^ fmix32(_u32(index) * _u32(_GOLDEN) + _u32(1))), words)
 
 
 def step_keys(key):
@@ -96,11 +102,8 @@ def random_bits(key, shape) -> jnp.ndarray:
   the draw (XLA's ``RngBitGenerator`` was a separate kernel, 5 ms per step
   for the autoencoder's 500 x 784 Bernoulli targets on a 2-core CPU).
   """
-  words = key_words(key)
-  h = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
-  for i in range(words.shape[0]):
-    h = fmix32(h ^ words[i]) + _u32(_GOLDEN)
-  return fmix32(h)
+  return _absorb(jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape),
+                 key_words(key))
 
 
 def uniform(key, shape, dtype=jnp.float32) -> jnp.ndarray:

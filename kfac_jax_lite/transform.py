@@ -300,18 +300,21 @@ def scale_by_kfac(collection: LayerCollection, *,
   est = curvature.estimator
 
   def update_by_group(updates, state, params=None, *, batch=None,
-                      stats=None, **extra_args):
+                      stats=None, finite=None, **extra_args):
     """``(results, merge, state)``: the direction is ``merge(results)``
-    (see :meth:`FisherEstimator.multiply_matpower_by_group`)."""
+    (see :meth:`FisherEstimator.multiply_matpower_by_group`). ``finite``:
+    :func:`inputs_finite` of ``updates`` and ``stats`` when the caller
+    has it already."""
     del extra_args  # Unknown extra args are ignored (optax.chain forwards).
     if params is None:
       raise ValueError("scale_by_kfac.update needs params=... (the current "
                        "parameters), as optax.adamw does.")
     count = state.count
+    if finite is None:
+      finite = inputs_finite(updates, stats, axis_name)
     # Non-finite gradients or statistics never reach the factors.
     state = curvature.step(state, params, batch, stats,
-                           value_at(damping, count),
-                           gate=inputs_finite(updates, stats, axis_name))
+                           value_at(damping, count), gate=finite)
     results, merge = est.multiply_matpower_by_group(state.estimator,
                                                     updates, power)
     if norm_constraint is None:
@@ -322,6 +325,7 @@ def scale_by_kfac(collection: LayerCollection, *,
         lambda d: (nu * d).astype(d.dtype), merge(r)), state
 
   def update_fn(updates, state, params=None, **extra_args):
+    extra_args.pop("finite", None)  # Internal to update_by_group.
     results, merge, state = update_by_group(updates, state, params,
                                             **extra_args)
     return merge(results), state
@@ -473,7 +477,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     # (split outside, each was a kernel of its own: 196 of them, 1 s of
     # compile, at depth 48 of benchmarks/compile_depth.py).
     results, merge, curvature = precondition.update_by_group(
-        updates, state.inner[0], params, **extra_args)
+        updates, state.inner[0], params, finite=finite, **extra_args)
     rest_state = tuple(state.inner[1:])
     new_updates, rest_state = lax.cond(
         finite,

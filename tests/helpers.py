@@ -84,14 +84,20 @@ def assert_trees_close(a, b, rtol):
     assert err <= rtol * ref, f"relative error {err / ref:.3g} > {rtol}"
 
 
-def count_primitive(jaxpr, primitive, scope="") -> int:
+def count_primitive(jaxpr, primitive, scope="", *, outside=None,
+                    not_into=()) -> int:
   """``primitive`` equations of ``jaxpr`` (recursively, into sub-jaxprs)
-  under ``jax.named_scope(scope)`` (any scope by default)."""
+  under ``jax.named_scope(scope)`` (any scope by default); with
+  ``outside``, only those not under that scope. Sub-jaxprs of the
+  primitives named in ``not_into`` are not entered."""
   n = 0
   for eqn in jaxpr.eqns:
-    if (eqn.primitive.name == primitive
-        and scope in str(eqn.source_info.name_stack)):
+    stack = str(eqn.source_info.name_stack)
+    if (eqn.primitive.name == primitive and scope in stack
+        and (outside is None or outside not in stack)):
       n += 1
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      n += count_primitive(sub, primitive, scope)
+    if eqn.primitive.name not in not_into:
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        n += count_primitive(sub, primitive, scope, outside=outside,
+                             not_into=not_into)
   return n

@@ -181,21 +181,6 @@ def test_ema_checks_do_not_grow_with_same_shaped_layers():
   assert counts[0] == counts[1] == 3, counts
 
 
-def _slices_outside(jaxpr, scope) -> int:
-  """``slice`` equations of ``jaxpr`` not under ``scope``, recursively but
-  not into conditionals (``kfac`` cuts its direction per parameter inside
-  its momentum conditional)."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    if (eqn.primitive.name == "slice"
-        and scope not in str(eqn.source_info.name_stack)):
-      n += 1
-    if eqn.primitive.name != "cond":
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        n += _slices_outside(sub, scope)
-  return n
-
-
 def test_transform_state_stays_stacked():
   """The optax state keeps same-shaped blocks stacked across steps: no
   per-layer split (and re-stack) of the curvature state in the step, and
@@ -240,8 +225,11 @@ def test_transform_state_stays_stacked():
 
     jaxpr = jax.make_jaxpr(step)(params, tx.init(params), batch)
     # The statistics are split per layer (stats["blocks"]) and stacked
-    # again; XLA cancels that pair. Nothing else is split per layer.
-    counts.append(_slices_outside(jaxpr.jaxpr, "kfac_stats"))
+    # again; XLA cancels that pair. Nothing else is split per layer
+    # (kfac cuts its direction per parameter inside its momentum
+    # conditional, which is not counted).
+    counts.append(helpers.count_primitive(
+        jaxpr.jaxpr, "slice", outside="kfac_stats", not_into=("cond",)))
   assert counts[0] == counts[1], counts
 
 
