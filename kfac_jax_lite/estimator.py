@@ -33,6 +33,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import distributed
@@ -472,8 +473,9 @@ def _bucketed_update_cache(blocks, states, damping) -> list:
 
   The dense factors of every Kronecker block with ``damping_type="pi"``
   (:meth:`KroneckerBlock.factor_requests`), whatever their layer, go to
-  :func:`linalg.bucketed_map` with the block's split damping
-  (:meth:`KroneckerBlock.factor_dampings`): factors of nearby sizes (e.g.
+  :func:`linalg.bucketed_map` with the blocks' split dampings
+  (:meth:`KroneckerBlock.factor_dampings`, computed for all blocks as one
+  vector from the traces the buckets take): factors of nearby sizes (e.g.
   the 1001 of a ``1000 → 500`` layer's input and the 1000 of a
   ``784 → 1000`` layer's output) are padded with an identity block to one
   size, which is exact (a matrix function of a block-diagonal matrix is
@@ -490,24 +492,42 @@ def _bucketed_update_cache(blocks, states, damping) -> list:
                    lambda b, s, _: b.update_cache(s, damping))
     for i, s in zip(rest, new):
       out[i] = s
-  # Factors share a bucket only with the same options and dtype.
+  # Factors share a bucket only with the same options and dtype (both
+  # factors of a block always share them).
   kinds = {}
   for i in pick:
-    requests = blocks[i].factor_requests(states[i])
-    split = blocks[i].factor_dampings(states[i], damping, {
-        name: linalg.trace_norm(f) for name, f in requests})
-    for name, f in requests:
+    for name, f in blocks[i].factor_requests(states[i]):
       key = (blocks[i].factor_options, str(f.dtype))
-      kinds.setdefault(key, []).append((i, name, f, split[name]))
+      kinds.setdefault(key, []).append((i, name, f))
   caches = {i: {} for i in pick}
+  split = {}
   for items in kinds.values():
+    members = {(i, name): k for k, (i, name, _) in enumerate(items)}
+    owners = list(dict.fromkeys(i for i, _, _ in items))
+
+    def dampings(norms, members=members, owners=owners):
+      # KroneckerBlock.factor_dampings for all the kind's blocks at once
+      # (one vector, not a few scalar kernels per block).
+      dt = norms.dtype
+      ta, tg = ([norms[members[i, n]] if (i, n) in members
+                 else linalg.trace_norm(getattr(states[i], n))
+                 for i in owners] for n in ("a", "g"))
+      scale = jnp.stack([states[i].scale for i in owners]).astype(dt)
+      da, dg = linalg.pi_split(jnp.stack(ta), jnp.stack(tg),
+                               jnp.asarray(damping, dt) / scale)
+      for b, i in enumerate(owners):
+        split[i] = {"a": da[b], "g": dg[b]}
+      both = jnp.concatenate([da, dg])
+      return both[np.asarray([owners.index(i) + (n == "g") * len(owners)
+                              for i, n, _ in items])]
+
     res = linalg.bucketed_map(blocks[items[0][0]].factor_cache,
-                              [f for _, _, f, _ in items],
-                              [d for _, _, _, d in items])
-    for (i, name, _, _), r in zip(items, res):
+                              [f for _, _, f in items], dampings)
+    for (i, name, _), r in zip(items, res):
       caches[i][name] = r
   for i in pick:
-    out[i] = blocks[i].with_factor_caches(states[i], damping, caches[i])
+    out[i] = blocks[i].with_factor_caches(states[i], damping, caches[i],
+                                          split[i])
   return out
 
 
@@ -969,15 +989,18 @@ class FisherEstimator:
     finish = finish or (lambda b, r, x: r)
     blocks = self.blocks
 
-    def done(out):
-      return self._merge(v, leaves, [finish(b, r, x) for b, r, x in zip(
-          blocks, out, parts)])
+    grouped = isinstance(state, GroupedState)
 
-    if not isinstance(state, GroupedState):
-      return _grouped(self.blocks, state.blocks, fn, parts), done
-    groups, n = state.groups, len(self.blocks)
-    return (self._per_group(state, fn, parts),
-            lambda out: done(_per_layer(groups, out, n, runtime_index=True)))
+    def merge(out):
+      with jax.named_scope("kfac_merge"):
+        if grouped:
+          out = _per_layer(state.groups, out, len(blocks), runtime_index=True)
+        return self._merge(v, leaves, [finish(b, r, x) for b, r, x in zip(
+            blocks, out, parts)])
+
+    if not grouped:
+      return _grouped(self.blocks, state.blocks, fn, parts), merge
+    return self._per_group(state, fn, parts), merge
 
   def multiply_matpower(self, state, v, exp):
     """``F̂^exp v`` (damped) for a params-shaped ``v``."""

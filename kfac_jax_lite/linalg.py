@@ -53,8 +53,16 @@ def sequential_under_vmap(fn):
 
 @sequential_under_vmap
 def cholesky(m):
-  """Lower Cholesky factor (see :func:`sequential_under_vmap`)."""
-  return jnp.linalg.cholesky(m)
+  """Lower Cholesky factor of a symmetric ``m`` (see
+  :func:`sequential_under_vmap`).
+
+  ``m`` must be exactly symmetric (callers pass ``symmetrize(x) + d I``):
+  LAPACK reads one triangle, so ``jnp.linalg.cholesky``'s own
+  symmetrisation would be a second pass over ``m``; and LAPACK wants a
+  column-major operand, which ``m.T`` of a row-major ``m`` already is,
+  where ``m`` itself would be copied into that layout first.
+  """
+  return jax.lax.linalg.cholesky(m.T, symmetrize_input=False)
 
 
 @sequential_under_vmap
@@ -281,37 +289,59 @@ def bucketed_map(fn, mats, dampings) -> list:
   factor of ``P + d I`` has ``chol(M + d I)`` as its leading block
   (forward elimination never looks past it), and so does its inverse.
 
-  Each matrix is padded so (:func:`pad_with_identity`) to the size of its
-  bucket (:func:`size_buckets`) and ``fn`` runs on it; each output leaf's
+  Each matrix is padded so to the size of its bucket
+  (:func:`size_buckets`) and ``fn`` runs on it; each output leaf's
   top-left ``n x n`` block (``[n]`` for vectors) is the unpadded result.
   Why this compiles faster: XLA:CPU's compile time grows with the number
-  of *distinct* kernels (~20-40 ms each) and it compiles identical kernels
-  once, so the factors of one bucket share their factorisation kernels
-  where factors of distinct sizes each had their own (the pad and slice
-  of a padded factor are cheap kernels). ``fn`` is deliberately not
-  ``vmap``-ed over a bucket: under ``vmap`` the LAPACK calls become a
-  ``lax.map`` (:func:`sequential_under_vmap`), and XLA:CPU's while loops
-  cost more compile time than the batching saves (measured on the
-  autoencoder of ``examples/mnist_autoencoder.py``: slower than no
-  bucketing at all). The LAPACK calls stay unbatched.
+  of *distinct* kernels (~10-20 ms each) and it compiles identical kernels
+  once. Every member of a bucket reaches ``fn`` through the same kernels:
+  its zero-padded matrix, its own size ``n`` and its damping are runtime
+  arguments (read from vectors at :func:`opaque_indices`), so the identity
+  block, the damping and the factorisation are one set of kernels per
+  bucket, not one per factor (only the zero padding and the final slice
+  of a padded member are its own). ``fn`` is deliberately not ``vmap``-ed
+  over a bucket: under ``vmap`` the LAPACK calls become a ``lax.map``
+  (:func:`sequential_under_vmap`), and XLA:CPU's while loops cost more
+  compile time than the batching saves (measured on the autoencoder of
+  ``examples/mnist_autoencoder.py``: slower than no bucketing at all).
 
   Args:
     fn: ``(matrix [N, N], damping []) -> pytree`` of arrays whose every
       axis has the matrix's size (or scalars), commuting with the padding
       as above (damped powers, Cholesky factors and their inverses do).
     mats: square matrices.
-    dampings: one scalar each.
+    dampings: one scalar each (a sequence, or a vector), or a function of
+      the vector ``[tr(m) / n for m in mats]`` returning that vector: the
+      traces are then taken of the zero-padded matrices (one kernel per
+      bucket; the padding adds exact zeros), as the pi-adjusted damping
+      needs them (:func:`pi_split`).
 
   Returns:
     ``fn``'s outputs for the unpadded matrices, in order.
   """
-  out = [None] * len(mats)
-  for size, idx in size_buckets([m.shape[0] for m in mats]):
+  sizes = [m.shape[0] for m in mats]
+  zero_padded = [None] * len(mats)
+  for size, idx in size_buckets(sizes):
     for i in idx:
-      n = mats[i].shape[0]
-      res = fn(pad_with_identity(mats[i], size), dampings[i])
-      out[i] = res if n == size else jax.tree.map(
-          lambda x, n=n: x[(slice(0, n),) * x.ndim], res)
+      pad = size - sizes[i]
+      zero_padded[i] = jnp.pad(mats[i], ((0, pad), (0, pad))) if pad else (
+          mats[i])
+  if callable(dampings):
+    dt = mats[0].dtype
+    dampings = dampings(jnp.stack([jnp.trace(p) for p in zero_padded])
+                        / jnp.asarray(sizes, dt))
+  dampings = jnp.stack([jnp.asarray(d) for d in dampings]) if isinstance(
+      dampings, (list, tuple)) else dampings
+  dims = jnp.asarray(sizes, jnp.int32)
+  index = opaque_indices(len(mats), dampings)
+  out = []
+  for i, (p, j) in enumerate(zip(zero_padded, index)):
+    size = p.shape[0]
+    n = jax.lax.dynamic_index_in_dim(dims, j, keepdims=False)
+    p = p + jnp.diag((jnp.arange(size) >= n).astype(p.dtype))
+    res = fn(p, jax.lax.dynamic_index_in_dim(dampings, j, keepdims=False))
+    out.append(res if sizes[i] == size else jax.tree.map(
+        lambda x, n=sizes[i]: x[(slice(0, n),) * x.ndim], res))
   return out
 
 

@@ -88,13 +88,15 @@ def count_primitive(jaxpr, primitive, scope="", *, outside=None,
                     not_into=()) -> int:
   """``primitive`` equations of ``jaxpr`` (recursively, into sub-jaxprs)
   under ``jax.named_scope(scope)`` (any scope by default); with
-  ``outside``, only those not under that scope. Sub-jaxprs of the
-  primitives named in ``not_into`` are not entered."""
+  ``outside`` (a scope or a tuple of them), only those under none of
+  them. Sub-jaxprs of the primitives named in ``not_into`` are not
+  entered."""
+  outside = (outside,) if isinstance(outside, str) else outside or ()
   n = 0
   for eqn in jaxpr.eqns:
     stack = str(eqn.source_info.name_stack)
     if (eqn.primitive.name == primitive and scope in stack
-        and (outside is None or outside not in stack)):
+        and not any(o in stack for o in outside)):
       n += 1
     if eqn.primitive.name not in not_into:
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):

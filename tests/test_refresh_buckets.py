@@ -97,14 +97,10 @@ def test_bucketing_rule_never_merges_distant_sizes():
 
 
 def _lapack_calls(text):
-  """``(kernel, size)`` of every LAPACK custom call in a lowered program.
-
-  Each distinct shape of a jitted LAPACK wrapper (``linalg.cholesky``, ...)
-  is lowered once as a private function, so this lists the distinct
-  factorisation kernels XLA must compile.
-  """
-  return re.findall(r"custom_call @(lapack_\w+)\(.*?: \(tensor<(\d+)x\d+xf32>",
-                    text)
+  """The distinct ``(kernel, size)`` of the LAPACK custom calls in a
+  lowered program: the factorisation kernels XLA must compile."""
+  return sorted(set(re.findall(
+      r"custom_call @(lapack_\w+)\(.*?: \(tensor<(\d+)x\d+xf32>", text)))
 
 
 def test_refresh_program_has_one_factorisation_size_per_bucket():
@@ -137,3 +133,23 @@ def test_the_transforms_refresh_through_the_buckets_too():
   chol = sorted(int(n) for k, n in _lapack_calls(text)
                 if k.startswith("lapack_spotrf"))
   assert chol == [3, 9, 11], chol
+
+
+def test_split_dampings_are_one_vector_computation():
+  """The pi-adjusted dampings of all blocks come from one vector
+  computation (its sqrt count does not grow with the layers), and every
+  member of a bucket reads its damping and size at a runtime index, so
+  its kernels are the bucket's, not its own."""
+  counts = []
+  for sizes in ([8, 9, 10, 3], [8, 9, 10, 11, 12, 13, 3]):
+    params = helpers.mlp_params(jax.random.PRNGKey(0), sizes)
+    batch = helpers.classification_batch(jax.random.PRNGKey(1), 16,
+                                         sizes[0], sizes[-1])
+    est = kl.FisherEstimator(kl.scan(helpers.classifier_loss, params, batch),
+                             damping=DAMPING)
+    jaxpr = jax.make_jaxpr(est.update_cache)(est.init(params)).jaxpr
+    factors = 2 * (len(sizes) - 1)
+    counts.append(helpers.count_primitive(jaxpr, "sqrt"))
+    # A damping and a size per factor, each read at an opaque index.
+    assert helpers.count_primitive(jaxpr, "dynamic_slice") == 2 * factors
+  assert counts[0] == counts[1] == 2, counts

@@ -63,16 +63,20 @@ def test_nonfinite_grads_keep_schedule_caches_and_momentum(problem):
 
 
 def _conds(jaxpr, factor_shapes):
-  """``(takes a factor-shaped operand, nested conds)`` per top-level cond."""
+  """``(takes a factor-shaped operand, nested conds that take one)`` per
+  top-level cond (small nested conds, such as linalg.opaque_indices', are
+  not counted)."""
+  def takes(eqn):
+    return any(getattr(v.aval, "shape", None) in factor_shapes
+               for v in eqn.invars)
   out = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name != "cond":
       continue
-    takes = any(getattr(v.aval, "shape", None) in factor_shapes
-                for v in eqn.invars)
     nested = sum(1 for br in eqn.params["branches"]
-                 for e in br.jaxpr.eqns if e.primitive.name == "cond")
-    out.append((takes, nested))
+                 for e in br.jaxpr.eqns
+                 if e.primitive.name == "cond" and takes(e))
+    out.append((takes(eqn), nested))
   return out
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
 
@@ -309,7 +309,8 @@ class KroneckerBlock(base.Block):
     da, dg = linalg.pi_split(norms["a"], norms["g"], damping / state.scale)
     return {"a": da, "g": dg}
 
-  def with_factor_caches(self, state, damping, caches: dict):
+  def with_factor_caches(self, state, damping, caches: dict,
+                         dampings: Optional[dict] = None):
     """The refreshed state from the dense factors' caches.
 
     Args:
@@ -318,6 +319,8 @@ class KroneckerBlock(base.Block):
       caches: ``{name: factor_cache(f, d_name)}`` for every
         :meth:`factor_requests` entry, ``d`` from :meth:`factor_dampings`
         (computed in any way: alone, or padded in a bucket).
+      dampings: ``factor_dampings(state, damping, ...)`` when the caller
+        has it (for the diagonal factors; computed here otherwise).
 
     Returns:
       ``state`` with the cache ``update_cache`` writes: keys ``"a^e"``,
@@ -327,7 +330,7 @@ class KroneckerBlock(base.Block):
     caches = dict(caches)
     missing = [n for n in ("a", "g") if n not in caches]
     if missing:  # Diagonal factors: elementwise.
-      d = self.factor_dampings(state, damping, {})
+      d = dampings or self.factor_dampings(state, damping, {})
       for n in missing:
         caches[n] = self.factor_cache(getattr(state, n), d[n])
     cache = {}
