@@ -77,8 +77,11 @@ def source_moment(rows, diagonal):
   n = rows.shape[1]
   if diagonal:
     return jnp.sum(jnp.square(rows), axis=(0, 1)) / n
-  rows = rows * (1.0 / math.sqrt(n))
-  return jnp.einsum("snd,sne->de", rows, rows)
+  # One [S N, d] matrix, as second_moment's: XLA:CPU emits rowsᵀ rows
+  # with the transpose folded into the product, where the einsum over two
+  # contracted axes first copied the rows into a transposed layout.
+  rows = rows.reshape(-1, rows.shape[-1]) * (1.0 / math.sqrt(n))
+  return rows.T @ rows
 
 
 def kron_stats(x, g, batch_size, a_diagonal, g_diagonal, what):
