@@ -60,24 +60,3 @@ def test_sequential_under_vmap_maps_batched_and_fixed_arguments():
   assert _lapack_batch_dims(text) == [0]
   plain = jax.jit(jax.vmap(jnp.linalg.cholesky)).lower(spd).as_text()
   assert _lapack_batch_dims(plain) == [1]   # what the wrapper avoids
-
-
-def test_grouped_inverse_is_one_loop_per_stacked_factor():
-  """Under ``vmap`` the damped inverse (factorisation, solve and product)
-  is one ``lax.map``: the stacked group's two factors give two loops,
-  where mapping the Cholesky and the solve apart gave four; the result
-  matches the layers refreshed alone."""
-  sizes = [5, 7, 7, 7, 3]
-  params = helpers.mlp_params(jax.random.PRNGKey(0), sizes)
-  batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, 5, 3)
-  est = kl.FisherEstimator(kl.scan(helpers.classifier_loss, params, batch),
-                           damping=1e-2)
-  state = est.group_state(est.update_curvature(
-      est.init(params), params, batch, jax.random.PRNGKey(2)))
-  assert [len(g) for g in state.groups if len(g) > 1] == [2]
-  jaxpr = jax.make_jaxpr(est.update_cache)(state).jaxpr
-  assert helpers.count_primitive(jaxpr, "scan") == 2   # lax.map
-  new = est.update_cache(state).blocks
-  for b, s, n in zip(est.blocks, state.blocks, new):
-    alone = b.update_cache(s, jnp.asarray(1e-2, jnp.float32))
-    helpers.assert_trees_close(n.cache, alone.cache, rtol=1e-5)
