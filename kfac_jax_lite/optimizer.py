@@ -71,8 +71,10 @@ def fisher_gram(lin, vectors, axis_name=None):
   Returns:
     The ``[k, k]`` Gram matrix.
   """
-  stacked = jax.tree.map(lambda *x: jnp.stack(x), *vectors)
-  jvs = jax.vmap(lin.output_jvp)(stacked)
+  # One JVP per vector, the (small) outputs stacked: a vmap over stacked
+  # vectors first copied every parameter leaf of every vector.
+  jvs = jax.tree.map(lambda *x: jnp.stack(x),
+                     *[lin.output_jvp(v) for v in vectors])
   gram = 0.0
   for spec, z, jv in zip(lin.collection.losses, lin.zs, jvs):
     fjv = jax.vmap(lambda v, z=z, spec=spec: spec.multiply_fisher(z, v))(jv)
