@@ -236,7 +236,7 @@ def _changed_leaves(block, state, damping) -> tuple:
 
 
 def update_cache(blocks: Sequence, states: Sequence, damping, axis_name,
-                 groups: Sequence[Sequence[int]]) -> list:
+                 groups: Sequence[Sequence[int]], refresh=None) -> list:
   """Refreshes every block's cache, each on one device, then shares them.
 
   .. math::
@@ -252,6 +252,8 @@ def update_cache(blocks: Sequence, states: Sequence, damping, axis_name,
     axis_name: the data-parallel axis whose devices share the work.
     groups: lists of indices of same-shaped blocks (refreshed under one
       ``vmap`` per unit).
+    refresh: ``(index, state) -> new state`` for a unit of one block
+      (default ``blocks[index].update_cache(state, damping)``).
 
   Returns:
     The new states, in order.
@@ -264,9 +266,13 @@ def update_cache(blocks: Sequence, states: Sequence, damping, axis_name,
     block = blocks[unit[0]]
     changed = _changed_leaves(block, states[unit[0]], damping)
 
-    def mine(ss, block=block, changed=changed, many=len(unit) > 1):
-      fn = lambda s: block.update_cache(s, damping)  # noqa: E731
-      new = jax.vmap(fn)(ss) if many else fn(ss)
+    def mine(ss, block=block, changed=changed, unit=unit):
+      if len(unit) > 1:
+        new = jax.vmap(lambda s: block.update_cache(s, damping))(ss)
+      elif refresh is not None:
+        new = refresh(unit[0], ss)
+      else:
+        new = block.update_cache(ss, damping)
       return [x for x, c in zip(jax.tree.leaves(new), changed) if c]
 
     ss = states[unit[0]] if len(unit) == 1 else jax.tree.map(

@@ -468,7 +468,33 @@ def _bucketable(block) -> bool:
           and not (block.a_diagonal and block.g_diagonal))
 
 
-def _bucketed_update_cache(blocks, states, damping) -> list:
+def _bucket_requests(blocks, states) -> tuple:
+  """``(pick, kinds)``: the indices of the blocks whose dense factors go to
+  buckets, and their factors ``(i, name, matrix)`` by kind (factors share
+  a bucket only with the same options and dtype; both factors of a block
+  always share them)."""
+  pick = [i for i, b in enumerate(blocks) if _bucketable(b)]
+  kinds = {}
+  for i in pick:
+    for name, f in blocks[i].factor_requests(states[i]):
+      key = (blocks[i].factor_options, str(f.dtype))
+      kinds.setdefault(key, []).append((i, name, f))
+  return pick, kinds
+
+
+def _bucket_sizes(blocks, states) -> dict:
+  """``{(i, name): N}``: the padded size of every bucketed factor in a
+  refresh of ``blocks`` (see :func:`_bucketed_update_cache`)."""
+  out = {}
+  for items in _bucket_requests(blocks, states)[1].values():
+    for size, idx in linalg.size_buckets([f.shape[0] for _, _, f in items]):
+      for k in idx:
+        out[items[k][:2]] = size
+  return out
+
+
+def _bucketed_update_cache(blocks, states, damping,
+                           padded_sizes=None) -> list:
   """``[b.update_cache(s, damping)]``, dense Kronecker factors in buckets.
 
   The dense factors of every Kronecker block with ``damping_type="pi"``
@@ -482,23 +508,17 @@ def _bucketed_update_cache(blocks, states, damping) -> list:
   block-diagonal), so XLA:CPU compiles their factorisation kernels once
   per size instead of once per factor size; the padding adds at most 1/16
   of a factor's size (:func:`linalg.size_buckets`). Other blocks are
-  refreshed by :func:`_grouped`, as before.
+  refreshed by :func:`_grouped`, as before. ``padded_sizes`` (``{(i,
+  name): N}``, as :func:`_bucket_sizes`) sets the padded sizes instead.
   """
   out = [None] * len(blocks)
-  pick = [i for i, b in enumerate(blocks) if _bucketable(b)]
+  pick, kinds = _bucket_requests(blocks, states)
   rest = [i for i in range(len(blocks)) if i not in set(pick)]
   if rest:
     new = _grouped([blocks[i] for i in rest], [states[i] for i in rest],
                    lambda b, s, _: b.update_cache(s, damping))
     for i, s in zip(rest, new):
       out[i] = s
-  # Factors share a bucket only with the same options and dtype (both
-  # factors of a block always share them).
-  kinds = {}
-  for i in pick:
-    for name, f in blocks[i].factor_requests(states[i]):
-      key = (blocks[i].factor_options, str(f.dtype))
-      kinds.setdefault(key, []).append((i, name, f))
   caches = {i: {} for i in pick}
   split = {}
   for items in kinds.values():
@@ -521,14 +541,37 @@ def _bucketed_update_cache(blocks, states, damping) -> list:
       return both[np.asarray([owners.index(i) + (n == "g") * len(owners)
                               for i, n, _ in items])]
 
-    res = linalg.bucketed_map(blocks[items[0][0]].factor_cache,
-                              [f for _, _, f in items], dampings)
+    res = linalg.bucketed_map(
+        blocks[items[0][0]].factor_cache, [f for _, _, f in items], dampings,
+        None if padded_sizes is None else [padded_sizes[i, n]
+                                           for i, n, _ in items])
     for (i, name, _), r in zip(items, res):
       caches[i][name] = r
   for i in pick:
     out[i] = blocks[i].with_factor_caches(states[i], damping, caches[i],
                                           split[i])
   return out
+
+
+def _alone_refresh(blocks, states, damping, groups) -> Callable:
+  """``refresh(i, state)`` for :func:`distributed.update_cache`: a block
+  without a same-shaped twin is refreshed through its bucket's padded
+  computation, with the sizes the local refresh of a
+  :class:`GroupedState` gives it (its singleton groups share buckets), so
+  that the distributed refresh rounds as the local one; other blocks are
+  refreshed alone, as the local ``vmap`` over their group does."""
+  alone = [g[0] for g in groups if len(g) == 1]
+  sizes = _bucket_sizes([blocks[i] for i in alone],
+                        [states[i] for i in alone])
+  where = {i: k for k, i in enumerate(alone)}
+
+  def refresh(i, state):
+    if i not in where:
+      return blocks[i].update_cache(state, damping)
+    mine = {(0, n): size for (k, n), size in sizes.items() if k == where[i]}
+    return _bucketed_update_cache([blocks[i]], [state], damping, mine)[0]
+
+  return refresh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -942,9 +985,11 @@ class FisherEstimator:
     damping = self.damping if damping is None else damping
     damping = jnp.asarray(damping, linalg.factor_dtype())
     if isinstance(state, GroupedState):
-      if (self.stats_sync == "before_refresh" or self.distributed_inverses):
+      if self.distributed_inverses:
         return self.group_state(self.update_cache(
             self.ungroup_state(state), damping, layers))
+      if self.stats_sync == "before_refresh":
+        state = self.sync_factors(state, layers)
       return self._grouped_update_cache(state, damping, layers)
     idx = range(len(self.blocks)) if layers is None else tuple(layers)
     if self.stats_sync == "before_refresh":
@@ -952,8 +997,10 @@ class FisherEstimator:
     blocks = [self.blocks[i] for i in idx]
     states = [state.blocks[i] for i in idx]
     if self.distributed_inverses:
+      groups = _groups(blocks, states)
       new = distributed.update_cache(blocks, states, damping, self.axis_name,
-                                     _groups(blocks, states))
+                                     groups, _alone_refresh(
+                                         blocks, states, damping, groups))
     else:
       new = _bucketed_update_cache(blocks, states, damping)
     blocks = list(state.blocks)

@@ -277,7 +277,7 @@ def pad_with_identity(m, size):
   return p + jnp.diag((jnp.arange(size) >= n).astype(m.dtype))
 
 
-def bucketed_map(fn, mats, dampings) -> list:
+def bucketed_map(fn, mats, dampings, padded_sizes=None) -> list:
   """``[fn(m, d) for m, d in zip(mats, dampings)]``, one size per bucket.
 
   Math: for a block-diagonal matrix every matrix function acts block by
@@ -315,17 +315,27 @@ def bucketed_map(fn, mats, dampings) -> list:
       traces are then taken of the zero-padded matrices (one kernel per
       bucket; the padding adds exact zeros), as the pi-adjusted damping
       needs them (:func:`pi_split`).
+    padded_sizes: the size each matrix is padded to; by default its
+      bucket's among ``mats`` (:func:`size_buckets`). Given, a matrix
+      refreshed alone goes through the same padded computation as in the
+      buckets of a larger refresh (the same rounding).
 
   Returns:
     ``fn``'s outputs for the unpadded matrices, in order.
   """
   sizes = [m.shape[0] for m in mats]
-  zero_padded = [None] * len(mats)
-  for size, idx in size_buckets(sizes):
-    for i in idx:
-      pad = size - sizes[i]
-      zero_padded[i] = jnp.pad(mats[i], ((0, pad), (0, pad))) if pad else (
-          mats[i])
+  if padded_sizes is None:
+    padded_sizes = [0] * len(mats)
+    for size, idx in size_buckets(sizes):
+      for i in idx:
+        padded_sizes[i] = size
+  zero_padded = []
+  for m, n, size in zip(mats, sizes, padded_sizes):
+    if size < n:
+      raise ValueError(f"padded_sizes: {size} is smaller than the matrix's "
+                       f"size {n}; pass sizes at least the matrices'.")
+    zero_padded.append(jnp.pad(m, ((0, size - n), (0, size - n)))
+                       if size > n else m)
   if callable(dampings):
     dt = mats[0].dtype
     dampings = dampings(jnp.stack([jnp.trace(p) for p in zero_padded])
