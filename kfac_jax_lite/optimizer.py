@@ -61,7 +61,7 @@ def fisher_gram(lin, vectors, axis_name=None):
      (J_b v_i)^T F_R(z_b) (J_b v_j)
 
   ``J_b v`` comes from the JVP of one linearisation (no new forward pass),
-  evaluated for all vectors with ``vmap``.
+  one JVP per vector.
 
   Args:
     lin: an :class:`~kfac_jax_lite.estimator.Linearized` of the batch.
