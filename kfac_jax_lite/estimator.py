@@ -1022,54 +1022,38 @@ class FisherEstimator:
         leaves[i] = x
     return jax.tree.unflatten(jax.tree.structure(v), leaves)
 
-  def _apply(self, state, v, fn: Callable):
-    per_group, merge = self._apply_by_group(state, v, fn)
-    return merge(per_group)
-
-  def _apply_by_group(self, state, v, fn: Callable, finish=None):
-    """``fn`` per group: ``(results, merge)`` with ``merge(results)`` the
-    params-shaped product; ``results`` are stacked per group of a
-    :class:`GroupedState` (per layer otherwise). ``finish(block, r, x)``
-    (optional) turns a layer's result ``r`` into its parameter tuple, in
-    ``merge``."""
+  def _apply(self, state, v, fn: Callable, finish=None):
+    """The params-shaped product: ``fn(block, state, x)`` per group (one
+    ``vmap`` over a :class:`GroupedState`'s stack, per layer otherwise),
+    then the results split per layer and ``finish(block, r, x)``
+    (optional) turning a layer's result ``r`` into its parameter tuple.
+    The split and the finish sit together under ``kfac_merge``, where
+    their slices fuse with the consumers of the product."""
     leaves, parts = self._split(v)
     finish = finish or (lambda b, r, x: r)
     blocks = self.blocks
-
-    grouped = isinstance(state, GroupedState)
-
-    def merge(out):
-      with jax.named_scope("kfac_merge"):
-        if grouped:
-          out = _per_layer(state.groups, out, len(blocks), runtime_index=True)
-        return self._merge(v, leaves, [finish(b, r, x) for b, r, x in zip(
-            blocks, out, parts)])
-
-    if not grouped:
-      return _grouped(self.blocks, state.blocks, fn, parts), merge
-    return self._per_group(state, fn, parts), merge
+    if isinstance(state, GroupedState):
+      out = self._per_group(state, fn, parts)
+    else:
+      out = _grouped(blocks, state.blocks, fn, parts)
+    with jax.named_scope("kfac_merge"):
+      if isinstance(state, GroupedState):
+        out = _per_layer(state.groups, out, len(blocks), runtime_index=True)
+      return self._merge(v, leaves, [finish(b, r, x) for b, r, x in zip(
+          blocks, out, parts)])
 
   def multiply_matpower(self, state, v, exp):
-    """``F̂^exp v`` (damped) for a params-shaped ``v``."""
-    per_group, merge = self.multiply_matpower_by_group(state, v, exp)
-    return merge(per_group)
+    """``F̂^exp v`` (damped) for a params-shaped ``v``.
 
-  def multiply_matpower_by_group(self, state, v, exp):
-    """:meth:`multiply_matpower` in two parts: ``(results, merge)``.
-
-    ``results`` is a pytree of the products stacked per group of
-    same-shaped layers (of a :class:`GroupedState`), each a layer's
-    :meth:`~blocks.base.Block.multiply_matpower_raw` (``[W; b]`` as one
-    matrix for dense layers); ``merge(results)`` is the params-shaped
-    ``F̂^exp v``. Splitting the stacks per layer and the matrices per
-    parameter costs a kernel per parameter leaf where the pieces must be
-    materialised (e.g. as the operands of a ``lax.cond``); pass
-    ``results`` there and call ``merge`` inside, where they fuse with
-    their consumers.
+    Each block computes :meth:`~blocks.base.Block.multiply_matpower_raw`
+    (``[W; b]`` as one matrix for dense layers, stacked per group of
+    same-shaped layers); it is cut per layer and per parameter afterwards
+    (:meth:`~blocks.base.Block.finish_product`), where the slices fuse
+    with what consumes the product instead of being kernels of their own.
     """
     for b in self.blocks:
       blocks_lib.base.check_exp(b, exp)
-    return self._apply_by_group(
+    return self._apply(
         state, v, lambda b, s, x: b.multiply_matpower_raw(s, x, exp),
         finish=lambda b, r, x: b.finish_product(r, x))
 

@@ -299,12 +299,10 @@ def scale_by_kfac(collection: LayerCollection, *,
       seed=seed, stagger=stagger_inverse_updates, **estimator_kwargs)
   est = curvature.estimator
 
-  def update_by_group(updates, state, params=None, *, batch=None,
-                      stats=None, finite=None, **extra_args):
-    """``(results, merge, state)``: the direction is ``merge(results)``
-    (see :meth:`FisherEstimator.multiply_matpower_by_group`). ``finite``:
-    :func:`inputs_finite` of ``updates`` and ``stats`` when the caller
-    has it already."""
+  def update_checked(updates, state, params=None, *, batch=None,
+                     stats=None, finite=None, **extra_args):
+    """The update; ``finite``: :func:`inputs_finite` of ``updates`` and
+    ``stats`` when the caller has it already (:func:`kfac`)."""
     del extra_args  # Unknown extra args are ignored (optax.chain forwards).
     if params is None:
       raise ValueError("scale_by_kfac.update needs params=... (the current "
@@ -315,29 +313,26 @@ def scale_by_kfac(collection: LayerCollection, *,
     # Non-finite gradients or statistics never reach the factors.
     state = curvature.step(state, params, batch, stats,
                            value_at(damping, count), gate=finite)
-    results, merge = est.multiply_matpower_by_group(state.estimator,
-                                                    updates, power)
-    if norm_constraint is None:
-      return results, merge, state
-    nu = kl_clip_coefficient(merge(results), updates,
-                             value_at(learning_rate, count), norm_constraint)
-    return results, lambda r: jax.tree.map(
-        lambda d: (nu * d).astype(d.dtype), merge(r)), state
+    direction = est.multiply_matpower(state.estimator, updates, power)
+    if norm_constraint is not None:
+      nu = kl_clip_coefficient(direction, updates,
+                               value_at(learning_rate, count),
+                               norm_constraint)
+      direction = jax.tree.map(lambda d: (nu * d).astype(d.dtype), direction)
+    return direction, state
 
   def update_fn(updates, state, params=None, **extra_args):
-    extra_args.pop("finite", None)  # Internal to update_by_group.
-    results, merge, state = update_by_group(updates, state, params,
-                                            **extra_args)
-    return merge(results), state
+    extra_args.pop("finite", None)  # Internal to update_checked.
+    return update_checked(updates, state, params, **extra_args)
 
   tx = _ScaleByKFAC(curvature.init, update_fn)
-  tx.update_by_group = update_by_group
+  tx.update_checked = update_checked
   return tx
 
 
 class _ScaleByKFAC(optax.GradientTransformationExtraArgs):
-  """``scale_by_kfac``'s transformation; also carries ``update_by_group``
-  (the update before the direction is split per parameter), for
+  """``scale_by_kfac``'s transformation; also carries ``update_checked``
+  (the update given an already computed finiteness check), for
   :func:`kfac`. No ``__slots__``, so instances take that attribute."""
 
 
@@ -478,10 +473,10 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     # materialise both (one more kernel per parameter: on the autoencoder
     # of benchmarks/step_time.py, 411 fused instructions instead of 449
     # and about 0.15 s less compile).
-    results, merge, curvature = precondition.update_by_group(
+    direction, curvature = precondition.update_checked(
         updates, state.inner[0], params, finite=finite, **extra_args)
     rest_state = tuple(state.inner[1:])
-    new_updates, new_rest = rest.update(merge(results), rest_state, params,
+    new_updates, new_rest = rest.update(direction, rest_state, params,
                                         **extra_args)
     new_updates = jax.tree.map(
         lambda u: jnp.where(finite, u, jnp.zeros((), u.dtype)), new_updates)

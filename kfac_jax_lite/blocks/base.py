@@ -176,7 +176,7 @@ class Block:
     ``multiply_matpower(s, v, e)``. Blocks whose product is a matrix that
     is cut into the layer's parameters (``[W; b]``) return the matrix, so
     the cut can be made where it fuses with its consumer (the estimator
-    makes it inside ``kfac``'s momentum conditional)."""
+    makes it after splitting a group's stacked results per layer)."""
     return self.multiply_matpower(state, v, exp)
 
   def finish_product(self, raw, like: tuple) -> tuple:
