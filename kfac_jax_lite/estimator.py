@@ -1032,12 +1032,11 @@ class FisherEstimator:
     leaves, parts = self._split(v)
     finish = finish or (lambda b, r, x: r)
     blocks = self.blocks
-    if isinstance(state, GroupedState):
-      out = self._per_group(state, fn, parts)
-    else:
-      out = _grouped(blocks, state.blocks, fn, parts)
+    grouped = isinstance(state, GroupedState)
+    out = (self._per_group(state, fn, parts) if grouped
+           else _grouped(blocks, state.blocks, fn, parts))
     with jax.named_scope("kfac_merge"):
-      if isinstance(state, GroupedState):
+      if grouped:
         out = _per_layer(state.groups, out, len(blocks), runtime_index=True)
       return self._merge(v, leaves, [finish(b, r, x) for b, r, x in zip(
           blocks, out, parts)])

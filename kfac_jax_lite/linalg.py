@@ -268,15 +268,6 @@ def size_buckets(sizes) -> list:
   return [(n, sorted(idx)) for n, idx in buckets]
 
 
-def pad_with_identity(m, size):
-  """``[[m, 0], [0, I]]``: ``m`` (``[n, n]``) padded to ``[size, size]``."""
-  n = m.shape[0]
-  if n == size:
-    return m
-  p = jnp.pad(m, ((0, size - n), (0, size - n)))
-  return p + jnp.diag((jnp.arange(size) >= n).astype(m.dtype))
-
-
 def bucketed_map(fn, mats, dampings, padded_sizes=None) -> list:
   """``[fn(m, d) for m, d in zip(mats, dampings)]``, one size per bucket.
 
