@@ -286,7 +286,15 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
       return leaves, eps_bar
     return {i: leaves[i] for i in generic}, eps_bar
 
-  p_bars, eps_bars = jax.vmap(pull)(cts)
+  if cts[0].shape[0] == 1:
+    # One cotangent per loss (one sample): a direct VJP. A size-1 vmap
+    # would put a unit axis on every op of the backward pass, which XLA's
+    # simplifier strips one layer per fixed-point iteration (its loop
+    # length grows with depth).
+    p_bars, eps_bars = jax.tree.map(
+        lambda x: x[None], pull(tuple(c[0] for c in cts)))
+  else:
+    p_bars, eps_bars = jax.vmap(pull)(cts)
   batch_size = lin.zs[0].shape[0]
   block_p_bars, block_batch = p_bars, batch_size
   if axis_name is not None and generic:

@@ -264,6 +264,40 @@ def _count_forward_matmuls(jaxpr, lhs_shape, rhs_shape):
   return count
 
 
+def _dot_operand_ranks(jaxpr):
+  ranks = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      ranks.update(v.aval.ndim for v in eqn.invars)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      ranks |= _dot_operand_ranks(sub)
+  return ranks
+
+
+@pytest.mark.parametrize("num_samples", [1, 2])
+def test_one_sample_backward_keeps_the_models_shapes(num_samples):
+  """With one target draw the sampled backward pass is a plain VJP: a
+  size-1 ``vmap`` would give every op of it a unit axis (rank-3 matmuls on
+  this rank-2 MLP), which XLA's simplifier strips one layer per fixed-point
+  iteration, so deep models compiled slowly. Two draws stay vmapped."""
+  params, batch, loss_fn = _problem("categorical", n=7)
+  c = kl.scan(loss_fn, params, batch)
+  fn = kl.value_grad_and_stats(loss_fn, c, num_samples=num_samples)
+  jaxpr = jax.make_jaxpr(fn)(params, batch, jax.random.PRNGKey(0)).jaxpr
+  ranks = _dot_operand_ranks(jaxpr)
+  if num_samples == 1:
+    assert ranks == {2}
+  else:
+    assert 3 in ranks
+  # The statistics are [S, ...]-stacked output gradients either way: one
+  # draw's equal the two-draw estimator's first draw (same hashed key).
+  est = kl.FisherEstimator(c, num_samples=num_samples)
+  stats = jax.jit(fn)(params, batch, jax.random.PRNGKey(0))[2]
+  helpers.assert_trees_close(
+      stats, jax.jit(est.compute_stats)(params, batch,
+                                        jax.random.PRNGKey(0)), rtol=1e-12)
+
+
 def test_value_grad_and_stats_runs_the_forward_pass_once():
   params, batch, loss_fn = _problem("categorical", n=7)
   c = kl.scan(loss_fn, params, batch)
