@@ -15,7 +15,8 @@ Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition),
 ``adam``/``kfac compile`` the XLA compile of one jitted training step
 (``jit(...).lower(...).compile()``, lowering included); ``step`` the median
 time of a compiled step. Every number comes from this process, side by
-side.
+side, after its one-time warm-up (``step_time.warm_up_process``: JAX's and
+its LAPACK bindings' first-use costs, printed apart).
 
 Until the scale-and-shift block lands, the LayerNorms are built without
 parameters (``use_scale=False, use_bias=False``) when
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import optax
 
 import kfac_jax_lite as kl
+from step_time import warm_up_process  # benchmarks/ is this script's path.
 
 
 class _Block(nn.Module):
@@ -139,7 +141,10 @@ def main():
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--steps", type=int, default=10)
   args = parser.parse_args()
+  warm = warm_up_process()
   affine = _affine_supported()
+  print(f"one-time process warm-up, not in any compile time: JAX "
+        f"{warm['jax']:.2f}s, LAPACK bindings {warm['lapack']:.2f}s")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
         f"{jax.device_count()} device(s); LayerNorm "
         f"{'with' if affine else 'WITHOUT'} scale/shift parameters"

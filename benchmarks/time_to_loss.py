@@ -16,6 +16,11 @@ plus ``1e-5 · ½‖θ‖²``), batch 500, the same batch sequence for every run
    ``--stats-fractions`` entry (default ``1``: the whole batch), and each
    ``--inverse-periods`` entry (none by default; e.g. ``10,20``: the
    inverses refreshed every 10 or 20 steps).
+4. Each ``--kfac LR:DAMPING`` entry (none by default) adds runs of
+   ``kfac`` (momentum 0.9, fixed learning rate and damping; loss, gradient
+   and statistics from ``value_grad_and_stats``), one per
+   ``--kfac-stats-fractions`` entry (default ``1,0.25``): what a quarter
+   of the batch for the curvature costs ``kfac`` at equal steps.
 
 "Loss" is the trailing mean of the last ``--window`` batch losses (each
 measured before its step's update). A run reaches a target at the first
@@ -64,6 +69,21 @@ def load_example(name: str):
 
 
 ae = load_example("mnist_autoencoder")
+
+
+def make_momentum_kfac_step(collection, tx, stats_fraction: float):
+  """Jitted ``step(params, state, batch, rng)`` for ``kfac``: one forward
+  pass for loss, gradient and statistics (of the first ``stats_fraction``
+  of the batch)."""
+  vgs = kfac_jax_lite.value_grad_and_stats(ae.loss_fn, collection,
+                                           stats_fraction=stats_fraction)
+
+  def step(params, state, batch, rng):
+    loss, grads, stats = vgs(params, batch, rng)
+    updates, state = tx.update(grads, state, params, stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1))
 
 
 def run_until(name, step, params, state, images, args, *, max_steps: int,
@@ -177,6 +197,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--inverse-periods", default="",
                  help="comma-separated inverse_update_period values: each "
                  "adds a kfac_optimizer run at its default stats_fraction")
+  p.add_argument("--kfac", default="",
+                 help="comma-separated LR:DAMPING pairs: each adds kfac runs "
+                 "(one per --kfac-stats-fractions entry), e.g. 0.03:10")
+  p.add_argument("--kfac-stats-fractions", default="1,0.25")
   p.add_argument("--window", type=int, default=20)
   p.add_argument("--log-every", type=int, default=100)
   p.add_argument("--seed", type=int, default=0)
@@ -213,10 +237,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   runs += [(f"kfac_optimizer inverse_update_period={k}",
             {"inverse_update_period": k})
            for k in (int(x) for x in args.inverse_periods.split(",") if x)]
+  settings = [tuple(float(v) for v in x.split(":"))
+              for x in args.kfac.split(",") if x]
+  runs += [(f"kfac lr={lr:g} damping={d:g} stats_fraction={f:g}",
+            {"kfac": (lr, d, f)})
+           for lr, d in settings
+           for f in (float(x) for x in args.kfac_stats_fractions.split(",")
+                     if x)]
   for name, kwargs in runs:
-    tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2, **kwargs)
-    print(f"{name}, l2_reg=1e-5", flush=True)
-    kfac_step = ae.make_kfac_step(collection, tx)
+    if "kfac" in kwargs:
+      lr, d, f = kwargs["kfac"]
+      tx = kfac_jax_lite.kfac(lr, collection, damping=d, stats_fraction=f)
+      print(name, flush=True)
+      kfac_step = make_momentum_kfac_step(collection, tx, f)
+    else:
+      tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2, **kwargs)
+      print(f"{name}, l2_reg=1e-5", flush=True)
+      kfac_step = ae.make_kfac_step(collection, tx)
     curves[name] = run_until(
         name, kfac_step, params, tx.init(params), images, args,
         max_steps=args.kfac_max_steps, stop_below=min(t for _, t in targets))
