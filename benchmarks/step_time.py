@@ -44,7 +44,7 @@ call split into tracing/lowering and XLA compilation) follows each table.
 
 Run from the repository root::
 
-  python benchmarks/step_time.py              # ~5 minutes on a 2-core CPU
+  python benchmarks/step_time.py              # ~11 minutes on a 2-core CPU
   python benchmarks/step_time.py --models mlp --rounds 10
 """
 
