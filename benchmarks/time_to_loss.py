@@ -200,7 +200,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--kfac", default="",
                  help="comma-separated LR:DAMPING pairs: each adds kfac runs "
                  "(one per --kfac-stats-fractions entry), e.g. 0.03:10")
-  p.add_argument("--kfac-stats-fractions", default="1,0.25")
+  p.add_argument("--kfac-stats-fractions", default="1,0.25",
+                 help="comma-separated stats_fraction values, one kfac run "
+                 "each per --kfac entry (also given to value_grad_and_stats)")
   p.add_argument("--window", type=int, default=20)
   p.add_argument("--log-every", type=int, default=100)
   p.add_argument("--seed", type=int, default=0)
