@@ -347,9 +347,7 @@ def bench(model: str, args) -> list:
   collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
                                   problem.batches[0])
   periods = [int(s) for s in args.periods.split(",")]
-  fractions = [float(f) for f in args.stats_fractions.split(",") if f]
-  runners = make_runners(problem, collection, periods, args.damping,
-                         with_optimizer, fractions)
+  runners = _runners(model, args, problem, collection)
   cached = {}
   for i, r in enumerate(runners):
     r.first_call_s, r.first_call_cpu_s = cold_first_call(model, i, args)
@@ -494,6 +492,15 @@ def _problem(model: str, args) -> Problem:
           else autoencoder_problem(args.ae_batch_size))
 
 
+def _runners(model: str, args, problem: Problem, collection) -> list:
+  """:func:`make_runners` for ``model`` with the command line's periods,
+  damping and stats fractions (``kfac_optimizer`` on the autoencoder)."""
+  return make_runners(
+      problem, collection, [int(s) for s in args.periods.split(",")],
+      args.damping, model != "mlp",
+      [float(f) for f in args.stats_fractions.split(",") if f])
+
+
 def cold_first_call(model: str, index: int, args,
                     cache: Optional[str] = None) -> tuple:
   """``(wall, cpu)`` seconds of the first call of ``make_runners``' entry
@@ -525,10 +532,7 @@ def _first_call_child(args) -> None:
   problem = _problem(model, args)
   collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
                                   problem.batches[0])
-  fractions = [float(f) for f in args.stats_fractions.split(",") if f]
-  runner = make_runners(problem, collection,
-                        [int(s) for s in args.periods.split(",")],
-                        args.damping, model != "mlp", fractions)[index]
+  runner = _runners(model, args, problem, collection)[index]
   runner.run(1, record=False)
   print(json.dumps({"wall_s": runner.first_call_s,
                     "cpu_s": runner.first_call_cpu_s}))

@@ -38,9 +38,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import pathlib
 import platform
 import sys
 import time
@@ -54,36 +52,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax_lite  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_example(name: str):
-  """Imports ``examples/<name>.py`` (examples is not a package)."""
-  spec = importlib.util.spec_from_file_location(
-      f"example_{name}", ROOT / "examples" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
-
+# benchmarks/ is this script's path: kfac_step is step_time's kfac step
+# (loss, gradient and statistics from value_grad_and_stats).
+from step_time import kfac_step, load_example  # noqa: E402
 
 ae = load_example("mnist_autoencoder")
-
-
-def make_momentum_kfac_step(collection, tx, stats_fraction: float):
-  """Jitted ``step(params, state, batch, rng)`` for ``kfac``: one forward
-  pass for loss, gradient and statistics (of the first ``stats_fraction``
-  of the batch)."""
-  vgs = kfac_jax_lite.value_grad_and_stats(ae.loss_fn, collection,
-                                           stats_fraction=stats_fraction)
-
-  def step(params, state, batch, rng):
-    loss, grads, stats = vgs(params, batch, rng)
-    updates, state = tx.update(grads, state, params, stats=stats)
-    return optax.apply_updates(params, updates), state, loss
-
-  return jax.jit(step, donate_argnums=(0, 1))
 
 
 def run_until(name, step, params, state, images, args, *, max_steps: int,
@@ -232,35 +205,37 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   collection = kfac_jax_lite.scan(ae.loss_fn, params,
                                   images[:args.batch_size])
   kfac_names, kfac_steps = [], {}
-  runs = [("kfac_optimizer" + (" (defaults)" if f == 0.25 else
-                               f" stats_fraction={f:g}"),
-           {"stats_fraction": f})
+
+  def optimizer_run(name, **kwargs):
+    tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2, **kwargs)
+    return name, f"{name}, l2_reg=1e-5", tx, ae.make_kfac_step(collection, tx)
+
+  def kfac_run(lr, damping, fraction):
+    name = f"kfac lr={lr:g} damping={damping:g} stats_fraction={fraction:g}"
+    tx = kfac_jax_lite.kfac(lr, collection, damping=damping,
+                            stats_fraction=fraction)
+    return name, name, tx, kfac_step(ae.loss_fn, tx, collection,
+                                     stats_fraction=fraction)
+
+  # (name, header printed before the run, tx, jitted step)
+  runs = [optimizer_run("kfac_optimizer" + (
+      " (defaults)" if f == 0.25 else f" stats_fraction={f:g}"),
+                        stats_fraction=f)
           for f in (float(x) for x in args.stats_fractions.split(",") if x)]
-  runs += [(f"kfac_optimizer inverse_update_period={k}",
-            {"inverse_update_period": k})
+  runs += [optimizer_run(f"kfac_optimizer inverse_update_period={k}",
+                         inverse_update_period=k)
            for k in (int(x) for x in args.inverse_periods.split(",") if x)]
-  settings = [tuple(float(v) for v in x.split(":"))
-              for x in args.kfac.split(",") if x]
-  runs += [(f"kfac lr={lr:g} damping={d:g} stats_fraction={f:g}",
-            {"kfac": (lr, d, f)})
-           for lr, d in settings
+  runs += [kfac_run(*(float(v) for v in setting.split(":")), f)
+           for setting in args.kfac.split(",") if setting
            for f in (float(x) for x in args.kfac_stats_fractions.split(",")
                      if x)]
-  for name, kwargs in runs:
-    if "kfac" in kwargs:
-      lr, d, f = kwargs["kfac"]
-      tx = kfac_jax_lite.kfac(lr, collection, damping=d, stats_fraction=f)
-      print(name, flush=True)
-      kfac_step = make_momentum_kfac_step(collection, tx, f)
-    else:
-      tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2, **kwargs)
-      print(f"{name}, l2_reg=1e-5", flush=True)
-      kfac_step = ae.make_kfac_step(collection, tx)
+  for name, header, tx, step in runs:
+    print(header, flush=True)
     curves[name] = run_until(
-        name, kfac_step, params, tx.init(params), images, args,
+        name, step, params, tx.init(params), images, args,
         max_steps=args.kfac_max_steps, stop_below=min(t for _, t in targets))
     kfac_names.append(name)
-    kfac_steps[name] = (kfac_step, tx)
+    kfac_steps[name] = (step, tx)
   best_lr = float(best.split()[1])
   adam_tx = optax.adam(best_lr)
   per_step = interleaved_step_times(

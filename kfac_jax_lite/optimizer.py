@@ -322,8 +322,7 @@ def kfac_optimizer(collection: LayerCollection, *,
     # state guards itself (gate=): no select or conditional copies it.
     updates, new_state = update_fn(grads, state, params, batch=batch,
                                    stats=stats, finite=finite, lin=lin)
-    updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)),
-                           updates)
+    updates = transform.zero_unless(finite, updates)
     rest = transform.select_tree(finite, new_state._replace(curvature=()),
                                  state._replace(curvature=()))
     return updates, rest._replace(

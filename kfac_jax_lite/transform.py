@@ -205,6 +205,13 @@ def select_tree(pred, new, old):
                       new, old)
 
 
+def zero_unless(pred, tree):
+  """``where(pred, x, 0)`` leaf by leaf: the updates of a step that is
+  applied only when ``pred`` (a skipped step moves nothing)."""
+  return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros((), x.dtype)),
+                      tree)
+
+
 def make_curvature(collection, *, cov_ema_decay, cov_update_period,
                    inverse_update_period, estimation_mode, power, axis_name,
                    seed, stagger=False, **estimator_kwargs) -> Curvature:
@@ -374,8 +381,7 @@ def skip_nonfinite(inner: optax.GradientTransformationExtraArgs,
     finite = inputs_finite(updates, extra_args.get("stats"), axis_name)
     new_updates, new_inner = inner.update(updates, state.inner, params,
                                           **extra_args)
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+    new_updates = zero_unless(finite, new_updates)
     new_inner = jax.tree.map(
         lambda n, o: n if _is_curvature(n) else select_tree(finite, n, o),
         new_inner, state.inner, is_leaf=_is_curvature)
@@ -478,8 +484,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     rest_state = tuple(state.inner[1:])
     new_updates, new_rest = rest.update(direction, rest_state, params,
                                         **extra_args)
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(finite, u, jnp.zeros((), u.dtype)), new_updates)
+    new_updates = zero_unless(finite, new_updates)
     rest_state = select_tree(finite, new_rest, rest_state)
     return new_updates, SkipNonFiniteState(
         state.num_skipped + (~finite).astype(jnp.int32),
