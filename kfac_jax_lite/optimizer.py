@@ -276,8 +276,13 @@ def kfac_optimizer(collection: LayerCollection, *,
         momentum=momentum)
     coeffs = jnp.stack([alpha, mu])
     change = 0.5 * coeffs @ (m + l2_reg * gram) @ coeffs + c @ coeffs
+    # The new velocity, already selected: a skipped step keeps δ. The
+    # returned updates are it, zeroed unless finite (guarded_update_fn), so
+    # the caller's apply_updates reads this buffer and not δ, which it
+    # overwrites in place (else XLA copies δ first; see transform.kfac).
     updates = jax.tree.map(
-        lambda d, p: (-alpha * d + mu * p).astype(d.dtype), pos, prev)
+        lambda d, p: jnp.where(finite, (-alpha * d + mu * p).astype(p.dtype),
+                               p), pos, prev)
 
     def adapt(_):
       new_params = optax.apply_updates(params, updates)
@@ -323,10 +328,11 @@ def kfac_optimizer(collection: LayerCollection, *,
     updates, new_state = update_fn(grads, state, params, batch=batch,
                                    stats=stats, finite=finite, lin=lin)
     updates = transform.zero_unless(finite, updates)
-    rest = transform.select_tree(finite, new_state._replace(curvature=()),
-                                 state._replace(curvature=()))
+    rest = transform.select_tree(
+        finite, new_state._replace(curvature=(), velocity=()),
+        state._replace(curvature=(), velocity=()))
     return updates, rest._replace(
-        curvature=new_state.curvature,
+        curvature=new_state.curvature, velocity=new_state.velocity,
         num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
 
   return optax.GradientTransformationExtraArgs(init_fn, guarded_update_fn)

@@ -457,18 +457,19 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   parts = []
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
-  if not isinstance(momentum, (int, float)) or momentum:
+  with_trace = not isinstance(momentum, (int, float)) or bool(momentum)
+  if with_trace:
     parts.append(optax.trace(decay=momentum))
-  parts.append(optax.scale_by_learning_rate(learning_rate))
-  rest = optax.chain(*parts)
+  scale = optax.scale_by_learning_rate(learning_rate)
 
-  # The state is that of skip_nonfinite(chain(precondition, *parts)). The
-  # curvature guards itself (gate); the small rest of the chain runs
+  # The state is that of skip_nonfinite(chain(precondition, *parts, scale)).
+  # The curvature guards itself (gate); the small rest of the chain runs
   # unconditionally and its results are selected.
   def init_fn(params):
     return SkipNonFiniteState(jnp.zeros((), jnp.int32),
                               (precondition.init(params),)
-                              + tuple(rest.init(params)))
+                              + tuple(p.init(params) for p in parts)
+                              + (scale.init(params),))
 
   def update_fn(updates, state, params=None, **extra_args):
     finite = inputs_finite(updates, extra_args.get("stats"),
@@ -481,14 +482,28 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     # and about 0.15 s less compile).
     direction, curvature = precondition.update_checked(
         updates, state.inner[0], params, finite=finite, **extra_args)
-    rest_state = tuple(state.inner[1:])
-    new_updates, new_rest = rest.update(direction, rest_state, params,
-                                        **extra_args)
-    new_updates = zero_unless(finite, new_updates)
-    rest_state = select_tree(finite, new_rest, rest_state)
-    return new_updates, SkipNonFiniteState(
+    old = tuple(state.inner[1:-1])
+    new = []
+    for part, s in zip(parts, old):
+      direction, s = part.update(direction, s, params)
+      new.append(s)
+    new = select_tree(finite, tuple(new), old)
+    if with_trace:
+      # The step is scaled from the *selected* velocity (equal to the new
+      # one when it is applied; a skipped step's is zeroed below): the
+      # caller's apply_updates then reads the velocity this step wrote,
+      # not the old one, which that write overwrites in place. Scaled from
+      # the unselected one, XLA recomputed μv + d inside apply_updates'
+      # kernel, which then read the old velocity after its buffer was
+      # reused, and XLA copied every velocity leaf first (the whole
+      # parameter size, every step).
+      direction = new[-1].trace
+    new_updates, scale_state = scale.update(direction, state.inner[-1],
+                                            params)
+    scale_state = select_tree(finite, scale_state, state.inner[-1])
+    return zero_unless(finite, new_updates), SkipNonFiniteState(
         state.num_skipped + (~finite).astype(jnp.int32),
-        (curvature,) + tuple(rest_state))
+        (curvature,) + new + (scale_state,))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -5,9 +5,12 @@ conditional or a select on "the inputs are finite": the curvature state
 guards itself (``Curvature.step(gate=...)``).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import kfac_jax_lite as kl
@@ -102,6 +105,86 @@ def test_no_conditional_around_the_curvature_state(problem, make):
   big = [c for c in _conds(jaxpr, factor_shapes) if c[0]]
   assert len(big) == 1, big
   assert big[0][1] == 0, big
+
+
+def _copied_parameters(compiled_text):
+  """Numbers of the entry computation's parameters that it copies."""
+  entry = compiled_text[compiled_text.index("\nENTRY"):]
+  names = dict(re.findall(r"%([\w.\-]+) = \S+ parameter\((\d+)\)", entry))
+  assert names, "no parameters found in the compiled entry computation"
+  return {int(names[n]) for n in re.findall(r" copy\(%([\w.\-]+)\)", entry)
+          if n in names}
+
+
+@pytest.mark.parametrize("make", ["kfac", "kfac_optimizer"])
+def test_velocity_is_updated_in_place(problem, make):
+  """With params and state donated, the compiled step writes the new
+  velocity over the old one without copying the old one first: the
+  update handed to ``apply_updates`` is read from the new velocity, not
+  recomputed from the old (which XLA did, and then copied every velocity
+  leaf, a parameter-sized copy per step)."""
+  params, batches, c, vgs = problem
+  if make == "kfac":
+    tx = kl.kfac(0.1, c, inverse_update_period=5)
+
+    def step(p, s, b):
+      _, grads, stats = vgs(p, b, jax.random.PRNGKey(0))
+      u, s = tx.update(grads, s, p, stats=stats)
+      return optax.apply_updates(p, u), s
+  else:
+    tx = kl.kfac_optimizer(c)
+
+    def step(p, s, b):
+      u, s = tx.update(None, s, p, batch=b)
+      return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  velocity = state.inner[-2].trace if make == "kfac" else state.velocity
+  leaves = jax.tree.leaves((params, state, batches[0]))
+  ids = {id(x) for x in jax.tree.leaves(velocity)}
+  numbers = {i for i, x in enumerate(leaves) if id(x) in ids}
+  assert len(numbers) == len(jax.tree.leaves(params))
+  text = jax.jit(step, donate_argnums=(0, 1), keep_unused=True).lower(
+      params, state, batches[0]).compile().as_text()
+  assert not numbers & _copied_parameters(text)
+
+
+def _ancestors(jaxpr, var):
+  """Top-level variables ``var`` is computed from (itself included)."""
+  producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+  seen, todo = set(), [var]
+  while todo:
+    v = todo.pop()
+    if v in seen or v not in producer:
+      seen.add(v)
+      continue
+    seen.add(v)
+    todo.extend(i for i in producer[v].invars if not hasattr(i, "val"))
+  return seen
+
+
+@pytest.mark.parametrize("make", ["kfac", "kfac_optimizer"])
+def test_update_is_read_from_the_new_velocity(problem, make):
+  """Each returned update leaf is computed from the state's new velocity
+  leaf (the selected one), so the step needs one kernel per parameter for
+  the velocity and none of its own for the update, which fuses into
+  ``apply_updates``; computed beside it from the unselected velocity, XLA
+  recomputed ``μv + d`` there from the old velocity."""
+  params, batches, c, vgs = problem
+  if make == "kfac":
+    tx = kl.kfac(0.1, c, weight_decay=1e-3)
+    _, grads, stats = vgs(params, batches[0], jax.random.PRNGKey(0))
+    fn = lambda s: tx.update(grads, s, params, stats=stats)  # noqa: E731
+  else:
+    tx = kl.kfac_optimizer(c)
+    fn = lambda s: tx.update(None, s, params, batch=batches[0])  # noqa: E731
+  state = tx.init(params)
+  closed = jax.make_jaxpr(fn)(state)
+  updates, new = jax.tree.unflatten(
+      jax.tree.structure(fn(state)), closed.jaxpr.outvars)
+  velocity = new.inner[-2].trace if make == "kfac" else new.velocity
+  for u, v in zip(jax.tree.leaves(updates), jax.tree.leaves(velocity)):
+    assert v in _ancestors(closed.jaxpr, u)
 
 
 def _count(jaxpr, name):
