@@ -14,7 +14,7 @@ Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition),
 (``48 + 2`` dense and ``48`` scale-and-shift layers at depth 48);
 ``adam``/``kfac compile`` the XLA compile of one jitted training step
 (``jit(...).lower(...).compile()``, lowering included); ``step`` the median
-time of a compiled step. Every number comes from this process, side by
+time of a compiled step. Steps donate their params and state. Every number comes from this process, side by
 side, after its one-time warm-up (``step_time.warm_up_process``: JAX's and
 its LAPACK bindings' first-use costs, printed apart).
 
@@ -108,10 +108,15 @@ def _step_fn(loss_fn, tx, collection):
       grads = jax.grad(loss_fn)(params, batch)
       updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
-  return jax.jit(step)
+  # Donated, as a training loop should (and as step_time.py does): without
+  # donation, state that a step passes through unchanged (K-FAC's cached
+  # inverses between refreshes) cannot be the output buffer and XLA copies
+  # it every step.
+  return jax.jit(step, donate_argnums=(0, 1))
 
 
 def _measure(loss_fn, params, batch, tx, collection, steps):
+  params = jax.tree.map(jnp.copy, params)  # Own copies: the steps donate.
   state = tx.init(params)
   step = _step_fn(loss_fn, tx, collection)
   compiled, t_compile = _timed(
