@@ -14,9 +14,10 @@ Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition),
 (``48 + 2`` dense and ``48`` scale-and-shift layers at depth 48);
 ``adam``/``kfac compile`` the XLA compile of one jitted training step
 (``jit(...).lower(...).compile()``, lowering included); ``step`` the median
-time of a compiled step. Steps donate their params and state. Every number comes from this process, side by
-side, after its one-time warm-up (``step_time.warm_up_process``: JAX's and
-its LAPACK bindings' first-use costs, printed apart).
+time of a compiled step. Steps donate their params and state. Every number
+comes from this process, side by side, after its one-time warm-up
+(``step_time.warm_up_process``: JAX's and its LAPACK bindings' first-use
+costs, printed apart).
 
 Until the scale-and-shift block lands, the LayerNorms are built without
 parameters (``use_scale=False, use_bias=False``) when

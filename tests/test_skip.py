@@ -116,6 +116,24 @@ def _copied_parameters(compiled_text):
           if n in names}
 
 
+def _update_and_velocity(problem, make):
+  """``(tx, update, velocity)``: ``update(params, state, batch) ->
+  (updates, state)`` of ``make`` (``kfac`` from ``value_grad_and_stats``,
+  ``kfac_optimizer`` from its own pass), and ``velocity(state)`` its
+  velocity leaves."""
+  c, vgs = problem[2], problem[3]
+  if make == "kfac":
+    tx = kl.kfac(0.1, c, weight_decay=1e-3)
+
+    def update(p, s, b):
+      _, grads, stats = vgs(p, b, jax.random.PRNGKey(0))
+      return tx.update(grads, s, p, stats=stats)
+    return tx, update, lambda s: s.inner[-2].trace
+  tx = kl.kfac_optimizer(c)
+  return (tx, lambda p, s, b: tx.update(None, s, p, batch=b),
+          lambda s: s.velocity)
+
+
 @pytest.mark.parametrize("make", ["kfac", "kfac_optimizer"])
 def test_velocity_is_updated_in_place(problem, make):
   """With params and state donated, the compiled step writes the new
@@ -123,25 +141,16 @@ def test_velocity_is_updated_in_place(problem, make):
   update handed to ``apply_updates`` is read from the new velocity, not
   recomputed from the old (which XLA did, and then copied every velocity
   leaf, a parameter-sized copy per step)."""
-  params, batches, c, vgs = problem
-  if make == "kfac":
-    tx = kl.kfac(0.1, c, inverse_update_period=5)
+  params, batches = problem[:2]
+  tx, update, velocity = _update_and_velocity(problem, make)
 
-    def step(p, s, b):
-      _, grads, stats = vgs(p, b, jax.random.PRNGKey(0))
-      u, s = tx.update(grads, s, p, stats=stats)
-      return optax.apply_updates(p, u), s
-  else:
-    tx = kl.kfac_optimizer(c)
-
-    def step(p, s, b):
-      u, s = tx.update(None, s, p, batch=b)
-      return optax.apply_updates(p, u), s
+  def step(p, s, b):
+    u, s = update(p, s, b)
+    return optax.apply_updates(p, u), s
 
   state = tx.init(params)
-  velocity = state.inner[-2].trace if make == "kfac" else state.velocity
   leaves = jax.tree.leaves((params, state, batches[0]))
-  ids = {id(x) for x in jax.tree.leaves(velocity)}
+  ids = {id(x) for x in jax.tree.leaves(velocity(state))}
   numbers = {i for i, x in enumerate(leaves) if id(x) in ids}
   assert len(numbers) == len(jax.tree.leaves(params))
   text = jax.jit(step, donate_argnums=(0, 1), keep_unused=True).lower(
@@ -155,11 +164,11 @@ def _ancestors(jaxpr, var):
   seen, todo = set(), [var]
   while todo:
     v = todo.pop()
-    if v in seen or v not in producer:
-      seen.add(v)
+    if v in seen:
       continue
     seen.add(v)
-    todo.extend(i for i in producer[v].invars if not hasattr(i, "val"))
+    if v in producer:
+      todo.extend(i for i in producer[v].invars if not hasattr(i, "val"))
   return seen
 
 
@@ -170,20 +179,14 @@ def test_update_is_read_from_the_new_velocity(problem, make):
   the velocity and none of its own for the update, which fuses into
   ``apply_updates``; computed beside it from the unselected velocity, XLA
   recomputed ``μv + d`` there from the old velocity."""
-  params, batches, c, vgs = problem
-  if make == "kfac":
-    tx = kl.kfac(0.1, c, weight_decay=1e-3)
-    _, grads, stats = vgs(params, batches[0], jax.random.PRNGKey(0))
-    fn = lambda s: tx.update(grads, s, params, stats=stats)  # noqa: E731
-  else:
-    tx = kl.kfac_optimizer(c)
-    fn = lambda s: tx.update(None, s, params, batch=batches[0])  # noqa: E731
+  params, batches = problem[:2]
+  tx, update, velocity = _update_and_velocity(problem, make)
+  fn = lambda s: update(params, s, batches[0])  # noqa: E731
   state = tx.init(params)
   closed = jax.make_jaxpr(fn)(state)
   updates, new = jax.tree.unflatten(
-      jax.tree.structure(fn(state)), closed.jaxpr.outvars)
-  velocity = new.inner[-2].trace if make == "kfac" else new.velocity
-  for u, v in zip(jax.tree.leaves(updates), jax.tree.leaves(velocity)):
+      jax.tree.structure(jax.eval_shape(fn, state)), closed.jaxpr.outvars)
+  for u, v in zip(jax.tree.leaves(updates), jax.tree.leaves(velocity(new))):
     assert v in _ancestors(closed.jaxpr, u)
 
 
