@@ -533,21 +533,33 @@ def _bucketed_update_cache(blocks, states, damping,
     members = {(i, name): k for k, (i, name, _) in enumerate(items)}
     owners = list(dict.fromkeys(i for i, _, _ in items))
 
-    def dampings(norms, members=members, owners=owners):
-      # KroneckerBlock.factor_dampings for all the kind's blocks at once
-      # (one vector, not a few scalar kernels per block).
+    def dampings(norms, members=members, owners=owners, items=items):
+      # KroneckerBlock.factor_dampings for all the kind's blocks at once.
       dt = norms.dtype
-      ta, tg = ([norms[members[i, n]] if (i, n) in members
-                 else linalg.trace_norm(getattr(states[i], n))
-                 for i in owners] for n in ("a", "g"))
+      extra = [(i, n) for i in owners for n in ("a", "g")
+               if (i, n) not in members]
+      at = dict(members)
+      at.update({k: len(items) + j for j, k in enumerate(extra)})
+      if extra:  # Diagonal factors' norms, after the members'.
+        norms = jnp.concatenate([norms, jnp.stack(
+            [linalg.trace_norm(getattr(states[i], n)) for i, n in extra]
+        ).astype(dt)])
       scale = jnp.stack([states[i].scale for i in owners]).astype(dt)
-      da, dg = linalg.pi_split(jnp.stack(ta), jnp.stack(tg),
-                               jnp.asarray(damping, dt) / scale)
-      for b, i in enumerate(owners):
-        split[i] = {"a": da[b], "g": dg[b]}
-      both = jnp.concatenate([da, dg])
-      return both[np.asarray([owners.index(i) + (n == "g") * len(owners)
-                              for i, n, _ in items])]
+
+      def split_at(blocks):  # pi_split of the given owners, as vectors.
+        ta, tg = (norms[np.asarray([at[owners[b], n] for b in blocks])]
+                  for n in ("a", "g"))
+        return linalg.pi_split(ta, tg, jnp.asarray(damping, dt)
+                               / scale[np.asarray(blocks)])
+
+      if extra:  # The diagonal factors' dampings, per block.
+        da, dg = split_at(range(len(owners)))
+        for b, i in enumerate(owners):
+          split[i] = {"a": da[b], "g": dg[b]}
+      # Each member's own split: gathers and arithmetic, all fused into
+      # one kernel (per-block vectors gathered afterwards were three).
+      da, dg = split_at([owners.index(i) for i, _, _ in items])
+      return jnp.where(np.asarray([n == "g" for _, n, _ in items]), dg, da)
 
     res = linalg.bucketed_map(
         blocks[items[0][0]].factor_cache, [f for _, _, f in items], dampings,
@@ -557,7 +569,7 @@ def _bucketed_update_cache(blocks, states, damping,
       caches[i][name] = r
   for i in pick:
     out[i] = blocks[i].with_factor_caches(states[i], damping, caches[i],
-                                          split[i])
+                                          split.get(i))
   return out
 
 

@@ -156,6 +156,52 @@ def test_split_dampings_are_one_vector_computation():
   assert counts[0] == counts[1] == 2, counts
 
 
+def test_split_dampings_add_no_per_block_kernels():
+  """Each member's split damping is computed elementwise from the stacked
+  traces, gathered at static indices, and XLA fuses that into the
+  kernels that read it: the compiled refresh holds no vector with one
+  entry per block. Stacking the A and G traces per block, then
+  concatenating and gathering their splits, were three kernels more."""
+  for sizes in (SIZES, [8, 9, 10, 11, 12, 13, 3]):
+    params = helpers.mlp_params(jax.random.PRNGKey(0), sizes)
+    batch = helpers.classification_batch(jax.random.PRNGKey(1), 16,
+                                         sizes[0], sizes[-1])
+    est = kl.FisherEstimator(kl.scan(helpers.classifier_loss, params, batch),
+                             damping=DAMPING)
+    text = jax.jit(est.update_cache).lower(est.init(params)).compile(
+        ).as_text()
+    lengths = [int(n) for n in re.findall(
+        r"^\s+(?:ROOT )?%?\S+ = f32\[(\d+)(?:,1)?\]\{[^}]*\} fusion\(",
+        text, re.M)]
+    vectors = [n for n in lengths if n > 1]  # Scalars are f32[1] or f32[].
+    factors = 2 * (len(sizes) - 1)
+    assert set(vectors) == {factors}, lengths  # None of len(sizes) - 1.
+
+
+def test_diagonal_factors_take_their_split_from_the_buckets_traces():
+  """A block with a diagonal input factor (``kron_in_diag``) next to
+  dense blocks: its dense factor is refreshed in a bucket, its diagonal
+  one elementwise, both with the same pi-split as a refresh of the block
+  alone."""
+  params = helpers.mlp_params(jax.random.PRNGKey(0), SIZES)
+  batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, SIZES[0],
+                                       SIZES[-1])
+  c = kl.scan(helpers.classifier_loss, params, batch,
+              approximations={"fully_connected": "kron_in_diag"})
+  est = kl.FisherEstimator(c, damping=DAMPING)
+  state = est.update_curvature(est.init(params), params, batch,
+                               jax.random.PRNGKey(2))
+  assert all(s.a.ndim == 1 and s.g.ndim == 2 for s in state.blocks)
+  new = jax.jit(est.update_cache)(state)
+  for b, s, n in zip(est.blocks, state.blocks, new.blocks):
+    alone = b.update_cache(s, jnp.asarray(DAMPING, jnp.float32))
+    assert sorted(n.cache) == sorted(alone.cache)
+    for k in alone.cache:
+      np.testing.assert_allclose(n.cache[k], alone.cache[k], rtol=2e-5,
+                                 atol=2e-5 * float(
+                                     jnp.max(jnp.abs(alone.cache[k]))))
+
+
 def test_padded_sizes_reproduce_a_factors_bucket_alone():
   """A block refreshed alone at the padded sizes a larger refresh gives its
   factors (what each device does under ``distributed_inverses``) goes
