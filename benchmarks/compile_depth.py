@@ -150,7 +150,8 @@ def main():
   warm = warm_up_process()
   affine = _affine_supported()
   print(f"one-time process warm-up, not in any compile time: JAX "
-        f"{warm['jax']:.2f}s, LAPACK bindings {warm['lapack']:.2f}s")
+        f"{warm['jax']:.2f}s, LAPACK bindings {warm['lapack']:.2f}s, "
+        f"first xᵀx {warm['gram']:.2f}s")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
         f"{jax.device_count()} device(s); LayerNorm "
         f"{'with' if affine else 'WITHOUT'} scale/shift parameters"

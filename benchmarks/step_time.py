@@ -474,17 +474,24 @@ def warm_up_process() -> dict:
   """Pays the process's one-time costs before any first call is timed.
 
   Returns their wall-clock seconds: ``jax`` (the first compile and run of
-  anything) and ``lapack`` (compiling and running a 2 x 2 Cholesky): the
+  anything), ``lapack`` (compiling and running a 2 x 2 Cholesky): the
   first LAPACK call lowered on CPU makes jaxlib load its LAPACK kernels,
-  which imports ``scipy.linalg`` (0.11-0.13 s here). Adam never lowers
-  one, K-FAC's refresh does, so without this the first K-FAC first call in
-  a process would carry the import.
+  which imports ``scipy.linalg`` (0.11-0.13 s here), and ``gram``
+  (compiling and running an 8 x 8 ``xᵀx``): the first matrix product
+  with a transposed left operand that XLA:CPU runs in a process takes
+  about 21 ms more than the next ones, whatever its size and program
+  (``xxᵀ`` does not). Adam's steps have neither; K-FAC's refresh and
+  its statistics' Gram products ``aᵀa`` have both, so without this the
+  first K-FAC first call in a process would carry them.
   """
   t0 = time.perf_counter()
   jax.jit(lambda x: x + 1)(jnp.ones(())).block_until_ready()
   t1 = time.perf_counter()
   jax.jit(jnp.linalg.cholesky)(jnp.eye(2)).block_until_ready()
-  return {"jax": t1 - t0, "lapack": time.perf_counter() - t1}
+  t2 = time.perf_counter()
+  jax.jit(lambda x: x.T @ x)(jnp.ones((8, 8))).block_until_ready()
+  return {"jax": t1 - t0, "lapack": t2 - t1,
+          "gram": time.perf_counter() - t2}
 
 
 def _problem(model: str, args) -> Problem:
@@ -546,7 +553,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
     return []
   warm = warm_up_process()
   print(f"one-time process warm-up, not in any first call: JAX "
-        f"{warm['jax']:.2f}s, LAPACK bindings {warm['lapack']:.2f}s")
+        f"{warm['jax']:.2f}s, LAPACK bindings {warm['lapack']:.2f}s, "
+        f"first xᵀx {warm['gram']:.2f}s")
   rows = []
   for model in args.models.split(","):
     rows += bench(model, args)
