@@ -46,6 +46,32 @@ def test_grouped_refresh_uses_unbatched_lapack_and_matches(damping_type):
                                rtol=1e-5)
 
 
+def test_a_groups_inverses_are_one_loop_per_factor_shape():
+  """The Cholesky factorisation and the triangular solve of a group's
+  inverses run in one ``lax.map`` (:func:`linalg.cholesky_inverse`): one
+  loop per factor shape, where each of the two ran its own (every loop
+  is a few XLA:CPU kernels of its own)."""
+  sizes = [5, 7, 7, 7, 3]   # one group of three: factors 8 x 8 and 7 x 7
+  params = helpers.mlp_params(jax.random.PRNGKey(0), sizes)
+  batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, 5, 3)
+  est = kl.FisherEstimator(kl.scan(helpers.classifier_loss, params, batch),
+                           damping=1e-2)
+  state = est.group_state(est.init(params))
+  text = jax.jit(est.update_cache).lower(state).as_text()
+  assert text.count("stablehlo.while") == 2, text.count("stablehlo.while")
+
+
+def test_cholesky_inverse_under_vmap():
+  m = jax.random.normal(jax.random.PRNGKey(0), (4, 6, 6))
+  spd = jnp.einsum("bij,bkj->bik", m, m) + 6 * jnp.eye(6)
+  inv = jax.vmap(linalg.cholesky_inverse)(spd)
+  np.testing.assert_allclose(inv, jnp.linalg.inv(jnp.linalg.cholesky(spd)),
+                             rtol=1e-4, atol=1e-5)
+  text = jax.jit(jax.vmap(linalg.cholesky_inverse)).lower(spd).as_text()
+  assert _lapack_batch_dims(text) == [0, 0]
+  assert text.count("stablehlo.while") == 1
+
+
 def test_sequential_under_vmap_maps_batched_and_fixed_arguments():
   m = jax.random.normal(jax.random.PRNGKey(0), (4, 6, 6))
   spd = jnp.einsum("bij,bkj->bik", m, m) + 6 * jnp.eye(6)
