@@ -546,11 +546,11 @@ def _bucketed_update_cache(blocks, states, damping,
         ).astype(dt)])
       scale = jnp.stack([states[i].scale for i in owners]).astype(dt)
 
-      def split_at(blocks):  # pi_split of the given owners, as vectors.
-        ta, tg = (norms[np.asarray([at[owners[b], n] for b in blocks])]
+      def split_at(idx):  # pi_split of owners[idx], as vectors.
+        ta, tg = (norms[np.asarray([at[owners[b], n] for b in idx])]
                   for n in ("a", "g"))
         return linalg.pi_split(ta, tg, jnp.asarray(damping, dt)
-                               / scale[np.asarray(blocks)])
+                               / scale[np.asarray(idx)])
 
       if extra:  # The diagonal factors' dampings, per block.
         da, dg = split_at(range(len(owners)))

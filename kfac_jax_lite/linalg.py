@@ -82,9 +82,8 @@ def cholesky_inverse(m):
   (counter, bounds check, slicing and writing back the matrix), which
   two loops paid twice.
   """
-  chol = jax.lax.linalg.cholesky(m.T, symmetrize_input=False)
-  return jax.scipy.linalg.solve_triangular(
-      chol, jnp.eye(m.shape[0], dtype=m.dtype), lower=True)
+  return lower_triangular_solve(cholesky(m),
+                                jnp.eye(m.shape[0], dtype=m.dtype))
 
 
 @sequential_under_vmap
