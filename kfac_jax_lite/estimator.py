@@ -104,6 +104,20 @@ class GroupedState(NamedTuple):
                             sum(len(g) for g in groups)))
 
 
+class ProductInputs(NamedTuple):
+  """A params-shaped ``v`` as the blocks multiply it
+  (:meth:`FisherEstimator.product_inputs`)."""
+  leaves: list     # v's leaves
+  parts: list      # per layer: the layer's leaves
+  per_group: list  # per group of the state: the blocks' product inputs
+  rest: list       # v's leaves in no layer
+
+  def checked(self) -> tuple:
+    """Everything of ``v``, as the product reads it: the values to check
+    (e.g. for finiteness) instead of ``v``."""
+    return self.per_group, self.rest
+
+
 def _group_name(group) -> str:
   return ",".join(str(i) for i in group)
 
@@ -907,16 +921,20 @@ class FisherEstimator:
                           params_stats=state.params_stats,
                           params_weight=state.params_weight)
 
-  def _per_group(self, state: GroupedState, fn, xs) -> list:
+  def _per_group(self, state: GroupedState, fn, xs, stacked=False) -> list:
     """``fn(block, group_state, x)`` per group of ``state``: one ``vmap``
     over the group's stacked state and its layers' ``xs`` (per-layer
-    entries), or layer by layer when those differ in shape. Results are
+    entries; with ``stacked``, per-group entries already stacked like the
+    state), or layer by layer when those differ in shape. Results are
     per group, stacked like ``state.stacked``."""
     out = []
-    for g, st in zip(state.groups, state.stacked.values()):
+    for k, (g, st) in enumerate(zip(state.groups, state.stacked.values())):
       b = self.blocks[g[0]]
       if len(g) == 1:
-        out.append(fn(b, st, xs[g[0]]))
+        out.append(fn(b, st, xs[k] if stacked else xs[g[0]]))
+        continue
+      if stacked:
+        out.append(jax.vmap(lambda s_, x, b=b: fn(b, s_, x))(st, xs[k]))
         continue
       members = [xs[i] for i in g]
       if len({_shapes(m) for m in members}) == 1:
@@ -1029,8 +1047,8 @@ class FisherEstimator:
     return state._replace(blocks=tuple(blocks))
 
   # ---- products ----------------------------------------------------------
-  def _split(self, v):
-    self.collection.check_params(v, "v")
+  def _split(self, v, name="v"):
+    self.collection.check_params(v, name)
     leaves = jax.tree.leaves(v)
     return leaves, [tuple(leaves[i] for i in l.param_indices)
                     for l in self.collection.layers]
@@ -1042,26 +1060,58 @@ class FisherEstimator:
         leaves[i] = x
     return jax.tree.unflatten(jax.tree.structure(v), leaves)
 
-  def _apply(self, state, v, fn: Callable, finish=None):
+  def _apply(self, state, v, fn: Callable, finish=None, inputs=None):
     """The params-shaped product: ``fn(block, state, x)`` per group (one
     ``vmap`` over a :class:`GroupedState`'s stack, per layer otherwise),
     then the results split per layer and ``finish(block, r, x)``
     (optional) turning a layer's result ``r`` into its parameter tuple.
     The split and the finish sit together under ``kfac_merge``, where
-    their slices fuse with the consumers of the product."""
-    leaves, parts = self._split(v)
-    finish = finish or (lambda b, r, x: r)
+    their slices fuse with the consumers of the product. ``inputs``
+    (:meth:`product_inputs` of ``v``) replaces ``v``'s own per-layer
+    tuples as what ``fn`` multiplies."""
     blocks = self.blocks
     grouped = isinstance(state, GroupedState)
-    out = (self._per_group(state, fn, parts) if grouped
-           else _grouped(blocks, state.blocks, fn, parts))
+    if inputs is not None and not grouped:
+      raise ValueError("inputs= (product_inputs) needs a GroupedState; "
+                       "group the state with group_state first.")
+    leaves, parts = (self._split(v) if inputs is None
+                     else (inputs.leaves, inputs.parts))
+    finish = finish or (lambda b, r, x: r)
+    if inputs is not None:
+      out = self._per_group(state, fn, inputs.per_group, stacked=True)
+    else:
+      out = (self._per_group(state, fn, parts) if grouped
+             else _grouped(blocks, state.blocks, fn, parts))
     with jax.named_scope("kfac_merge"):
       if grouped:
         out = _per_layer(state.groups, out, len(blocks), runtime_index=True)
       return self._merge(v, leaves, [finish(b, r, x) for b, r, x in zip(
           blocks, out, parts)])
 
-  def multiply_matpower(self, state, v, exp):
+  def product_inputs(self, state, v, name: str = "v") -> ProductInputs:
+    """``v`` (params-shaped) as :meth:`multiply_matpower` multiplies it:
+    per group of ``state`` (grouped with :meth:`group_state` if it is
+    not), the blocks' :meth:`~blocks.base.Block.product_input` (``[W;
+    b]`` for dense layers), stacked like the group's state.
+
+    Pass it to :meth:`multiply_matpower` as ``inputs=``. A caller that
+    also checks ``v`` (the transforms' finiteness check) checks
+    :meth:`ProductInputs.checked` instead: ``v``'s leaves are then read
+    once, by the kernels that build the matrices, and what produced them
+    fuses into those (on the autoencoder of ``benchmarks/step_time.py``,
+    the gradients of its L2 term were 13 kernels of their own). ``name``
+    names ``v`` in the error raised when it does not match the
+    parameters.
+    """
+    state = self.group_state(state)
+    leaves, parts = self._split(v, name)
+    per_group = self._per_group(state, lambda b, s, x: b.product_input(x),
+                                parts)
+    used = {i for l in self.collection.layers for i in l.param_indices}
+    rest = [x for i, x in enumerate(leaves) if i not in used]
+    return ProductInputs(leaves, parts, per_group, rest)
+
+  def multiply_matpower(self, state, v, exp, inputs=None):
     """``F̂^exp v`` (damped) for a params-shaped ``v``.
 
     Each block computes :meth:`~blocks.base.Block.multiply_matpower_raw`
@@ -1069,12 +1119,13 @@ class FisherEstimator:
     same-shaped layers); it is cut per layer and per parameter afterwards
     (:meth:`~blocks.base.Block.finish_product`), where the slices fuse
     with what consumes the product instead of being kernels of their own.
+    ``inputs``: :meth:`product_inputs` of ``v``, when the caller made it.
     """
     for b in self.blocks:
       blocks_lib.base.check_exp(b, exp)
     return self._apply(
         state, v, lambda b, s, x: b.multiply_matpower_raw(s, x, exp),
-        finish=lambda b, r, x: b.finish_product(r, x))
+        finish=lambda b, r, x: b.finish_product(r, x), inputs=inputs)
 
   def multiply(self, state, v):
     return self.multiply_matpower(state, v, 1)

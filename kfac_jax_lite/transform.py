@@ -307,30 +307,39 @@ def scale_by_kfac(collection: LayerCollection, *,
   est = curvature.estimator
 
   def update_checked(updates, state, params=None, *, batch=None,
-                     stats=None, finite=None, **extra_args):
-    """The update; ``finite``: :func:`inputs_finite` of ``updates`` and
-    ``stats`` when the caller has it already (:func:`kfac`)."""
+                     stats=None, **extra_args):
+    """``(direction, state, finite)``: the update and :func:`inputs_finite`
+    of ``updates`` and ``stats`` (for :func:`kfac`, which selects its
+    momentum on it).
+
+    The check reads ``updates`` as the product does
+    (:meth:`FisherEstimator.product_inputs`: ``[W; b]`` per dense layer),
+    so each gradient leaf is read once, where the matrices are built, and
+    whatever computed it (an L2 term's ``2λW``, say) fuses into that
+    kernel instead of being materialised for the check.
+    """
     del extra_args  # Unknown extra args are ignored (optax.chain forwards).
     if params is None:
       raise ValueError("scale_by_kfac.update needs params=... (the current "
                        "parameters), as optax.adamw does.")
+    est.collection.check_params(params)
     count = state.count
-    if finite is None:
-      finite = inputs_finite(updates, stats, axis_name)
+    inputs = est.product_inputs(state.estimator, updates, "updates")
+    finite = inputs_finite(inputs.checked(), stats, axis_name)
     # Non-finite gradients or statistics never reach the factors.
     state = curvature.step(state, params, batch, stats,
                            value_at(damping, count), gate=finite)
-    direction = est.multiply_matpower(state.estimator, updates, power)
+    direction = est.multiply_matpower(state.estimator, updates, power,
+                                      inputs=inputs)
     if norm_constraint is not None:
       nu = kl_clip_coefficient(direction, updates,
                                value_at(learning_rate, count),
                                norm_constraint)
       direction = jax.tree.map(lambda d: (nu * d).astype(d.dtype), direction)
-    return direction, state
+    return direction, state, finite
 
   def update_fn(updates, state, params=None, **extra_args):
-    extra_args.pop("finite", None)  # Internal to update_checked.
-    return update_checked(updates, state, params, **extra_args)
+    return update_checked(updates, state, params, **extra_args)[:2]
 
   tx = _ScaleByKFAC(curvature.init, update_fn)
   tx.update_checked = update_checked
@@ -339,8 +348,8 @@ def scale_by_kfac(collection: LayerCollection, *,
 
 class _ScaleByKFAC(optax.GradientTransformationExtraArgs):
   """``scale_by_kfac``'s transformation; also carries ``update_checked``
-  (the update given an already computed finiteness check), for
-  :func:`kfac`. No ``__slots__``, so instances take that attribute."""
+  (the update with its finiteness check), for :func:`kfac`. No
+  ``__slots__``, so instances take that attribute."""
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -472,16 +481,14 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
                               + (scale.init(params),))
 
   def update_fn(updates, state, params=None, **extra_args):
-    finite = inputs_finite(updates, extra_args.get("stats"),
-                           scale_by_kfac_kwargs.get("axis_name"))
     # Selects, not a lax.cond: the momentum update and the select of the
     # new velocity are one kernel per parameter, and the select of the
     # update fuses into the caller's apply_updates; a conditional must
     # materialise both (one more kernel per parameter: on the autoencoder
     # of benchmarks/step_time.py, 411 fused instructions instead of 449
     # and about 0.15 s less compile).
-    direction, curvature = precondition.update_checked(
-        updates, state.inner[0], params, finite=finite, **extra_args)
+    direction, curvature, finite = precondition.update_checked(
+        updates, state.inner[0], params, **extra_args)
     old = tuple(state.inner[1:-1])
     new = []
     for part, s in zip(parts, old):

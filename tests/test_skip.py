@@ -226,6 +226,52 @@ def test_kfac_optimizer_grads_none_is_one_forward_pass(problem):
                 "tanh") == 2
 
 
+def test_kfac_reads_each_gradient_leaf_once(problem):
+  """``kfac`` checks the gradients as its product reads them (the ``[W;
+  b]`` matrices, ``FisherEstimator.product_inputs``), so each gradient
+  leaf has one reader in the update: whatever computed it (an L2 term's
+  ``2λW``) fuses into the kernel that builds the matrix instead of being
+  materialised for a finiteness check of its own."""
+  params, batches, c, vgs = problem
+  tx = kl.kfac(0.1, c, damping=1e-2)
+  _, grads, stats = vgs(params, batches[0], jax.random.PRNGKey(0))
+  jaxpr = jax.make_jaxpr(lambda g, s, p, st: tx.update(g, s, p, stats=st))(
+      grads, tx.init(params), params, stats).jaxpr
+  for v in jaxpr.invars[:len(jax.tree.leaves(grads))]:
+    readers = [e.primitive.name for e in jaxpr.eqns
+               if any(x is v for x in e.invars)]
+    assert len(readers) == 1, readers
+
+
+def test_nonfinite_gradient_outside_every_layer_skips_the_step():
+  """A parameter in no layer (excluded by ``params_filter``) is
+  preconditioned by nothing, but its gradient is still checked: a NaN
+  there skips the step like a NaN in a layer's."""
+  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
+  params["scale"] = jnp.ones(())
+
+  def loss(p, b):
+    return p["scale"] * helpers.classifier_loss(
+        {k: v for k, v in p.items() if k != "scale"}, b)
+
+  batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, 6, 3)
+  c = kl.scan(loss, params, batch,
+              params_filter=lambda path: "scale" not in path)
+  tx = kl.kfac(0.1, c, damping=1e-2)
+  state = tx.init(params)
+  _, grads, stats = kl.value_grad_and_stats(loss, c)(
+      params, batch, jax.random.PRNGKey(2))
+  for bad, skipped in ((False, 0), (True, 1)):
+    g = dict(grads, scale=jnp.where(bad, jnp.nan, grads["scale"]))
+    updates, new = jax.jit(tx.update)(g, state, params, stats=stats)
+    assert int(new.num_skipped) == skipped
+    assert all(bool(jnp.all(jnp.isfinite(u)))
+               for u in jax.tree.leaves(updates))
+    if bad:
+      helpers.assert_trees_close(updates, jax.tree.map(jnp.zeros_like,
+                                                       updates), rtol=0)
+
+
 def test_replicas_skip_together(problem):
   """Under ``stats_sync="before_refresh"`` each replica folds its own
   statistics; when one replica's are not finite, every replica skips, so

@@ -170,6 +170,14 @@ class Block:
   def multiply_cholesky_inverse(self, state, v, transpose=False) -> tuple: ...
   def full_fisher_block(self, state) -> jnp.ndarray: ...
 
+  def product_input(self, v: tuple) -> Any:
+    """What :meth:`multiply_matpower_raw` multiplies, made from the
+    layer's parameter tuple ``v``: ``v`` itself by default; the ``[d_a,
+    d_g]`` matrix for Kronecker blocks. The estimator makes it before the
+    product (:meth:`FisherEstimator.product_inputs`), so that a caller can
+    check it and multiply it without reading ``v`` twice."""
+    return v
+
   def multiply_matpower_raw(self, state, v: tuple, exp) -> Any:
     """:meth:`multiply_matpower` before its last reshaping:
     ``finish_product(multiply_matpower_raw(s, v, e), v)`` is

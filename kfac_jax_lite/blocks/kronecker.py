@@ -367,11 +367,15 @@ class KroneckerBlock(base.Block):
   def finish_product(self, raw, like):
     return self.layout.from_mat(raw, like)
 
+  def product_input(self, v):
+    return self.layout.to_mat(v)
+
   def multiply_matpower_raw(self, state, v, exp):
     """``F̂^exp v`` as the ``[d_a, d_g]`` matrix (see
-    :meth:`base.Block.multiply_matpower_raw`)."""
+    :meth:`base.Block.multiply_matpower_raw`); ``v`` is the parameter
+    tuple or its :meth:`product_input`."""
     exp = base.check_exp(self, exp)
-    m = self.layout.to_mat(v)
+    m = self.layout.to_mat(v) if isinstance(v, tuple) else v
     c = state.scale
     if exp == 1.0:
       if self.config.damping_type == "exact":
