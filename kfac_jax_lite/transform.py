@@ -322,6 +322,9 @@ def scale_by_kfac(collection: LayerCollection, *,
     if params is None:
       raise ValueError("scale_by_kfac.update needs params=... (the current "
                        "parameters), as optax.adamw does.")
+    # curvature.step checks params too, but after product_inputs has
+    # checked the updates: checked here first, a tree that matches neither
+    # is reported as params, the argument a caller most likely got wrong.
     est.collection.check_params(params)
     count = state.count
     inputs = est.product_inputs(state.estimator, updates, "updates")
