@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,14 +35,20 @@ def _u32(x):
   return jnp.asarray(x, jnp.uint32)
 
 
+# The hash is written with lax's integer primitives and numpy scalar
+# operands (no dtype promotion or broadcasting to resolve): each jnp
+# operator adds its own dispatch, and a step traces ~150 of these ops.
+_xor, _mul, _add = lax.bitwise_xor, lax.mul, lax.add
+
+
+def _xorshift(h, bits: int):
+  return _xor(h, lax.shift_right_logical(h, np.uint32(bits)))
+
+
 def fmix32(h):
   """MurmurHash3's finaliser: a bijective avalanche mix of ``uint32``."""
-  h = _u32(h)
-  h = h ^ (h >> 16)
-  h = h * _u32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * _u32(0xC2B2AE35)
-  return h ^ (h >> 16)
+  h = _xorshift(_mul(_xorshift(_u32(h), 16), np.uint32(0x85EBCA6B)), 13)
+  return _xorshift(_mul(h, np.uint32(0xC2B2AE35)), 16)
 
 
 def key_words(key) -> jnp.ndarray:
@@ -61,7 +68,8 @@ def _absorb(h, words) -> jnp.ndarray:
   """``fmix32(h_K(... h_1(h)))`` with ``h_j(x) = fmix32(x ^ w_j) + φ``:
   ``h`` (any shape) chained through the key's words ``w_1..w_K``."""
   for i in range(words.shape[0]):
-    h = fmix32(h ^ words[i]) + _u32(_GOLDEN)
+    w = lax.broadcast(lax.index_in_dim(words, i, keepdims=False), h.shape)
+    h = _add(fmix32(_xor(h, w)), np.uint32(_GOLDEN))
   return fmix32(h)
 
 
@@ -74,8 +82,9 @@ def derive(key, index, num_words: int = 2) -> jnp.ndarray:
   """
   words = key_words(key)
   lanes = _u32(np.array(_LANES * (num_words // 4 + 1))[:num_words])
-  return _absorb(
-      fmix32(lanes ^ fmix32(_u32(index) * _u32(_GOLDEN) + _u32(1))), words)
+  mixed = fmix32(_add(_mul(_u32(index), np.uint32(_GOLDEN)), np.uint32(1)))
+  return _absorb(fmix32(_xor(lanes, lax.broadcast(mixed, lanes.shape))),
+                 words)
 
 
 def step_keys(key):
