@@ -17,6 +17,50 @@ def test_fmix32_is_a_bijection_on_a_sample():
   assert np.unique(np.asarray(keys.fmix32(x))).size == x.size
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32_reference(h: int) -> int:
+  """MurmurHash3's finaliser on Python integers."""
+  h ^= h >> 16
+  h = (h * 0x85EBCA6B) & _M32
+  h ^= h >> 13
+  h = (h * 0xC2B2AE35) & _M32
+  return h ^ (h >> 16)
+
+
+def _absorb_reference(h: int, words) -> int:
+  for w in words:
+    h = (_fmix32_reference(h ^ w) + 0x9E3779B9) & _M32
+  return _fmix32_reference(h)
+
+
+def test_hashes_equal_a_python_reference():
+  """The documented chains, word for word (``keys`` module docstring):
+  ``fmix32``, ``random_bits`` (a hashed counter) and ``derive``."""
+  words = [int(w) for w in np.asarray(jax.random.PRNGKey(11))]
+  x = [0, 1, 2, 0xFFFFFFFF, 0x12345678]
+  np.testing.assert_array_equal(
+      keys.fmix32(np.array(x, np.uint32)),
+      np.array([_fmix32_reference(v) for v in x], np.uint32))
+  np.testing.assert_array_equal(
+      keys.random_bits(jax.random.PRNGKey(11), (2, 3)),
+      np.array([_absorb_reference(i, words) for i in range(6)],
+               np.uint32).reshape(2, 3))
+  lanes = (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
+  for index in (0, 7):
+    mixed = _fmix32_reference((index * 0x9E3779B9 + 1) & _M32)
+    want = [_absorb_reference(_fmix32_reference(l ^ mixed), words)
+            for l in lanes]
+    np.testing.assert_array_equal(
+        keys.derive(jax.random.PRNGKey(11), index, num_words=3),
+        np.array(want, np.uint32))
+    np.testing.assert_array_equal(
+        jax.jit(keys.derive, static_argnums=2)(
+            jax.random.PRNGKey(11), jnp.int32(index), 3),
+        np.array(want, np.uint32))
+
+
 def test_derive_is_deterministic_and_depends_on_key_and_index():
   k = jax.random.PRNGKey(3)
   a = np.asarray(keys.derive(k, 0))
