@@ -26,7 +26,6 @@ re-evaluated with zero perturbations at the tagged layer outputs
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import warnings
 from typing import Any, Callable, NamedTuple, Optional
@@ -233,6 +232,7 @@ class Linearized:
     self.loss, self.zs, self.aux = loss, zs, aux
     self.records, self.targets = records, targets
     self.jvp = jvp
+    self.vjp = jax.linear_transpose(jvp, params, eps)
     # True for the linearisation of a batch's first ⌈f·B⌉ examples
     # (FisherEstimator.linearize_head): its statistics use every row.
     self.head_only = head_only
@@ -244,18 +244,8 @@ class Linearized:
     replicated parameters over the axis, this is never reduced: average it
     with ``lax.pmean`` as under ``pmap``.
     """
-    return self._loss_vjp(jnp.ones_like(self.loss))[0]
-
-  @functools.cached_property
-  def _loss_vjp(self):
-    return jax.linear_transpose(lambda p, e: self.jvp(p, e)[0],
-                                self.params, self.eps)
-
-  @functools.cached_property
-  def output_vjp(self):
-    """``(p̄, ε̄)`` for cotangents of the loss tags' inputs alone."""
-    return jax.linear_transpose(lambda p, e: self.jvp(p, e)[1],
-                                self.params, self.eps)
+    return self.vjp((jnp.ones_like(self.loss),
+                     tuple(jnp.zeros_like(z) for z in self.zs)))[0]
 
   def output_jvp(self, tangent):
     """``J u``: the loss tags' input tangents for a params-shaped ``u``."""
@@ -304,7 +294,7 @@ def _statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
                     if b.needs_param_grads for i in l.param_indices})
 
   def pull(ct):
-    p_bar, eps_bar = lin.output_vjp(ct)
+    p_bar, eps_bar = lin.vjp((jnp.zeros_like(lin.loss), ct))
     leaves = jax.tree.leaves(p_bar)
     if need_all_param_grads:
       return leaves, eps_bar

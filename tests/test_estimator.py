@@ -298,30 +298,6 @@ def test_one_sample_backward_keeps_the_models_shapes(num_samples):
                                         jax.random.PRNGKey(0)), rtol=1e-12)
 
 
-@pytest.mark.parametrize("num_samples", [1, 2])
-def test_statistics_backward_pass_skips_the_loss_after_its_tag(num_samples):
-  """The sampled backward pass starts at the loss tag's input: the part of
-  the loss function after the tag (here ``take_along_axis``, whose
-  transpose is scatter-adds) is transposed once, for the gradient, and
-  never for the statistics. A zero cotangent fed to the loss output would
-  still run it (XLA keeps a scatter-add of zeros as a kernel)."""
-  params, batch, loss_fn = _problem("categorical", n=7)
-  c = kl.scan(loss_fn, params, batch)
-  fn = kl.value_grad_and_stats(loss_fn, c, num_samples=num_samples)
-  key = jax.random.PRNGKey(0)
-  both = jax.make_jaxpr(fn)(params, batch, key).jaxpr
-  grad_only = jax.make_jaxpr(jax.grad(loss_fn))(params, batch).jaxpr
-  in_grad = helpers.count_primitive(grad_only, "scatter-add")
-  assert in_grad > 0
-  assert helpers.count_primitive(both, "scatter-add") == in_grad
-  est = kl.FisherEstimator(c, num_samples=num_samples)
-  stats_only = jax.make_jaxpr(est.compute_stats)(params, batch, key).jaxpr
-  assert helpers.count_primitive(stats_only, "scatter-add") == 0
-  # The gradient is still the loss's whole gradient.
-  helpers.assert_trees_close(jax.jit(fn)(params, batch, key)[1],
-                             jax.grad(loss_fn)(params, batch), rtol=1e-12)
-
-
 def test_value_grad_and_stats_runs_the_forward_pass_once():
   params, batch, loss_fn = _problem("categorical", n=7)
   c = kl.scan(loss_fn, params, batch)
