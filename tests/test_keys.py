@@ -36,8 +36,10 @@ def _absorb_reference(h: int, words) -> int:
 
 
 def test_hashes_equal_a_python_reference():
-  """The documented chains, word for word (``keys`` module docstring):
-  ``fmix32``, ``random_bits`` (a hashed counter) and ``derive``."""
+  """``fmix32`` (MurmurHash3's finaliser), ``random_bits`` (the chain of
+  its docstring over a counter) and ``derive`` (lanes mixed with the
+  hashed index, then the same chain), word for word against Python
+  integers: a change to the hash's arithmetic changes every run's draws."""
   words = [int(w) for w in np.asarray(jax.random.PRNGKey(11))]
   x = [0, 1, 2, 0xFFFFFFFF, 0x12345678]
   np.testing.assert_array_equal(
@@ -50,8 +52,8 @@ def test_hashes_equal_a_python_reference():
   lanes = (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
   for index in (0, 7):
     mixed = _fmix32_reference((index * 0x9E3779B9 + 1) & _M32)
-    want = [_absorb_reference(_fmix32_reference(l ^ mixed), words)
-            for l in lanes]
+    want = [_absorb_reference(_fmix32_reference(lane ^ mixed), words)
+            for lane in lanes]
     np.testing.assert_array_equal(
         keys.derive(jax.random.PRNGKey(11), index, num_words=3),
         np.array(want, np.uint32))
