@@ -375,7 +375,7 @@ class KroneckerBlock(base.Block):
     :meth:`base.Block.multiply_matpower_raw`); ``v`` is the parameter
     tuple or its :meth:`product_input`."""
     exp = base.check_exp(self, exp)
-    m = self.layout.to_mat(v) if isinstance(v, tuple) else v
+    m = self.product_input(v) if isinstance(v, tuple) else v
     c = state.scale
     if exp == 1.0:
       if self.config.damping_type == "exact":
