@@ -1072,8 +1072,10 @@ class FisherEstimator:
     blocks = self.blocks
     grouped = isinstance(state, GroupedState)
     if inputs is not None and not grouped:
-      raise ValueError("inputs= (product_inputs) needs a GroupedState; "
-                       "group the state with group_state first.")
+      raise ValueError(
+          "inputs= (product_inputs) needs the state as a GroupedState; got a "
+          f"state of type {type(state).__name__}. Pass est.group_state(state) "
+          "as the state.")
     leaves, parts = (self._split(v) if inputs is None
                      else (inputs.leaves, inputs.parts))
     finish = finish or (lambda b, r, x: r)

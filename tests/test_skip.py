@@ -243,6 +243,22 @@ def test_kfac_reads_each_gradient_leaf_once(problem):
     assert len(readers) == 1, readers
 
 
+def test_product_inputs_need_a_grouped_state(problem):
+  """``multiply_matpower(..., inputs=)`` multiplies stacked groups: a
+  per-layer state is refused with the type it got and the fix."""
+  params, batches, c, vgs = problem
+  est = kl.FisherEstimator(c, damping=1e-2)
+  _, grads, _ = vgs(params, batches[0], jax.random.PRNGKey(0))
+  state = est.init(params)
+  inputs = est.product_inputs(state, grads)
+  with pytest.raises(ValueError, match="type EstimatorState.*group_state"):
+    est.multiply_matpower(state, grads, -1, inputs=inputs)
+  grouped = est.update_cache(est.group_state(state))
+  helpers.assert_trees_close(
+      est.multiply_matpower(grouped, grads, -1, inputs=inputs),
+      est.multiply_matpower(grouped, grads, -1), rtol=1e-6)
+
+
 def test_nonfinite_gradient_outside_every_layer_skips_the_step():
   """A parameter in no layer (excluded by ``params_filter``) is
   preconditioned by nothing, but its gradient is still checked: a NaN
