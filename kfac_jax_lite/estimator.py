@@ -214,28 +214,52 @@ class Linearized:
   Its transpose gives the gradient and the statistics' output gradients; its
   JVP gives ``J u`` for Fisher-vector products (the optimizer's quadratic
   model). Built inside a trace; not a pytree.
+
+  With ``with_jvp=False`` (the gradient and the statistics only) it is
+  built by ``jax.vjp``, whose pullback transposes the linear jaxpr
+  directly. ``jax.linearize`` (``with_jvp=True``) returns a JVP function
+  instead, and its transpose (``jax.linear_transpose``) first re-traces
+  that function into a jaxpr: one more pass over every equation of the
+  model at trace time (about 0.1 s of the 48-block model's step in
+  ``benchmarks/compile_depth.py``), for the same backward program. Asked
+  for a JVP anyway, a ``with_jvp=False`` linearisation transposes its
+  pullback once (correct, and costs that pass back).
   """
 
   def __init__(self, collection: LayerCollection, params, batch,
-               head_only: bool = False):
+               head_only: bool = False, with_jvp: bool = False):
     # Under shard_map, linearise per replica (see distributed.vary).
     self._axes = distributed.varying_axes(batch)
     params = distributed.vary(params, self._axes)
     traced = scanner.perturbed_fn(collection, params, batch)
     eps = distributed.vary(traced.eps, self._axes)
-    (loss, zs), jvp, (aux, records, targets) = jax.linearize(
-        traced.fn, params, eps, has_aux=True)
+    if with_jvp:
+      (loss, zs), jvp, (aux, records, targets) = jax.linearize(
+          traced.fn, params, eps, has_aux=True)
+      vjp = jax.linear_transpose(jvp, params, eps)
+    else:
+      (loss, zs), vjp, (aux, records, targets) = jax.vjp(
+          traced.fn, params, eps, has_aux=True)
+      jvp = None
     self.collection = collection
     self.params = params
     self.sites = traced.sites
     self.eps = eps
     self.loss, self.zs, self.aux = loss, zs, aux
     self.records, self.targets = records, targets
-    self.jvp = jvp
-    self.vjp = jax.linear_transpose(jvp, params, eps)
+    self._jvp = jvp
+    self.vjp = vjp
     # True for the linearisation of a batch's first ⌈f·B⌉ examples
     # (FisherEstimator.linearize_head): its statistics use every row.
     self.head_only = head_only
+
+  @property
+  def jvp(self):
+    """``(u, eps_tangent) -> (loss, zs)`` tangents: the linearisation."""
+    if self._jvp is None:  # Built by jax.vjp: transpose its pullback once.
+      transposed = jax.linear_transpose(self.vjp, (self.loss, self.zs))
+      self._jvp = lambda u, eps_t: transposed((u, eps_t))[0]
+    return self._jvp
 
   def gradient(self):
     """``∂ loss / ∂ params``: this replica's own under ``shard_map``/``pmap``.
@@ -751,11 +775,18 @@ class FisherEstimator:
                           params_stats=ps, params_weight=pw)
 
   # ---- statistics --------------------------------------------------------
-  def linearize(self, params, batch) -> Linearized:
-    """One forward pass of the collection's loss function, linearised."""
-    return Linearized(self.collection, params, batch)
+  def linearize(self, params, batch, with_jvp: bool = False) -> Linearized:
+    """One forward pass of the collection's loss function, linearised.
 
-  def linearize_head(self, params, batch, lin: Linearized) -> Linearized:
+    ``with_jvp``: build it with its JVP (``jax.linearize``), for Fisher
+    products through it (:meth:`Linearized.output_jvp`); without, it
+    traces faster and its JVP, if asked for, costs one more transpose
+    (:class:`Linearized`).
+    """
+    return Linearized(self.collection, params, batch, with_jvp=with_jvp)
+
+  def linearize_head(self, params, batch, lin: Linearized,
+                     with_jvp: bool = True) -> Linearized:
     """The linearisation the curvature of ``batch`` is estimated from.
 
     ``lin`` itself when ``stats_fraction`` is 1; otherwise a second, smaller
@@ -763,7 +794,8 @@ class FisherEstimator:
     ``lin``'s loss tags): every batch leaf whose leading axis has ``B``
     entries is cut to its first ``m``. Its statistics use all its rows, and
     JVPs through it (the optimizer's Fisher products) cost ``f`` times
-    those through ``lin``.
+    those through ``lin``. ``with_jvp``: as :meth:`linearize`, for that
+    second pass.
 
     When the cut batch does not give loss tags of ``m`` rows (examples not
     on the leading axis, e.g. a time-major ``[T, B, ...]`` sequence batch)
@@ -779,7 +811,8 @@ class FisherEstimator:
         lambda x: _first_examples(x, 0, rows)
         if getattr(x, "ndim", 0) and x.shape[0] == total else x, batch)
     try:
-      out = Linearized(self.collection, params, head, head_only=True)
+      out = Linearized(self.collection, params, head, head_only=True,
+                       with_jvp=with_jvp)
       got = sorted({z.shape[0] for z in out.zs})
       problem = None if got == [rows] else f"loss tags of {got} rows"
     except (TypeError, ValueError) as e:  # The full batch traced fine.

@@ -156,7 +156,7 @@ def kfac_optimizer(collection: LayerCollection, *,
   ``stats=`` or are computed from the batch.
 
   ``grads=None`` is the fastest step: the optimizer then takes the
-  gradient from the same single forward pass (``jax.linearize``) that
+  gradient from the same single forward pass (one linearisation) that
   gives the statistics and the Fisher-vector products, instead of a
   separate ``jax.grad``; the loss is ``state.loss`` afterwards. Under an
   ``axis_name`` that gradient is averaged over the axis.
@@ -317,7 +317,9 @@ def kfac_optimizer(collection: LayerCollection, *,
           "batch); statistics may still come from stats=....")
     # One forward pass: statistics (transpose), loss and J u (JVP), and
     # with grads=None the gradient too.
-    lin = est.linearize(params, batch)
+    # The whole batch's linearisation needs its JVP only when it is also
+    # the curvature's (linearize_head returns it when stats_fraction is 1).
+    lin = est.linearize(params, batch, with_jvp=est.stats_fraction >= 1.0)
     if grads is None:
       grads = lin.gradient()
       if axis_name is not None:

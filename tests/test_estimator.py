@@ -329,3 +329,30 @@ def test_value_grad_and_stats_runs_the_forward_pass_once():
   est = kl.FisherEstimator(c)
   helpers.assert_trees_close(
       stats, jax.jit(est.compute_stats)(params, batch, key), rtol=1e-12)
+
+
+def test_gradient_and_statistics_linearise_without_a_jvp(monkeypatch):
+  """``value_grad_and_stats`` builds its linearisation with ``jax.vjp``:
+  ``jax.linearize`` would hand back a JVP function that its transpose
+  re-traces (one more pass over the model per trace). A JVP asked of such
+  a linearisation is its pullback transposed, equal to the linearised
+  one."""
+  params, batch, loss_fn = _problem("categorical", n=7)
+  c = kl.scan(loss_fn, params, batch)
+  est = kl.FisherEstimator(c)
+  key = jax.random.PRNGKey(0)
+  want = jax.jit(kl.value_grad_and_stats(loss_fn, c))(params, batch, key)
+  u = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+  with_jvp = est.linearize(params, batch, with_jvp=True)
+  jv_want = with_jvp.output_jvp(u)
+
+  def no_linearize(*args, **kwargs):
+    raise AssertionError("jax.linearize called")
+
+  monkeypatch.setattr(jax, "linearize", no_linearize)
+  got = jax.jit(kl.value_grad_and_stats(loss_fn, c))(params, batch, key)
+  helpers.assert_trees_close(got, want, rtol=1e-12)
+  lin = est.linearize(params, batch)
+  helpers.assert_trees_close(lin.output_jvp(u), jv_want, rtol=1e-12)
+  helpers.assert_trees_close(lin.gradient(), with_jvp.gradient(),
+                             rtol=1e-12)
