@@ -318,7 +318,10 @@ def kfac_optimizer(collection: LayerCollection, *,
     # One forward pass: statistics (transpose), loss and J u (JVP), and
     # with grads=None the gradient too.
     # The whole batch's linearisation needs its JVP only when it is also
-    # the curvature's (linearize_head returns it when stats_fraction is 1).
+    # the curvature's: linearize_head returns it when stats_fraction is 1,
+    # and also when the batch has no more than stats_min_examples rows;
+    # then its JVP comes from transposing its pullback (Linearized.jvp),
+    # the same products at one more trace pass.
     lin = est.linearize(params, batch, with_jvp=est.stats_fraction >= 1.0)
     if grads is None:
       grads = lin.gradient()
