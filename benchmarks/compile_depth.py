@@ -13,11 +13,16 @@ Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition),
 ``scan LN`` the same for the model with LayerNorm scale/shift parameters
 (``48 + 2`` dense and ``48`` scale-and-shift layers at depth 48);
 ``adam``/``kfac compile`` the XLA compile of one jitted training step
-(``jit(...).lower(...).compile()``, lowering included); ``step`` the median
-time of a compiled step. Steps donate their params and state. Every number
-comes from this process, side by side, after its one-time warm-up
-(``step_time.warm_up_process``: JAX's and its LAPACK bindings' first-use
-costs, printed apart).
+(``jit(...).lower(...).compile()``, lowering included) in a fresh Python
+process, as a user meets it: the median of ``--repeats`` processes of
+each, alternating Adam and ``kfac``, with every compile listed below its
+row (``--one-process`` compiles them all in this process instead: faster,
+but a process that has already compiled large programs compiles the next
+ones slower, which favours whichever comes later); ``step`` the median
+time of a compiled step. Steps donate their params and state. Every
+process pays its one-time warm-up first (``step_time.warm_up_process``:
+JAX's and its LAPACK bindings' first-use costs, printed apart for this
+one), and ``kfac``'s processes run ``scan`` before the timed compile.
 
 Until the scale-and-shift block lands, the LayerNorms are built without
 parameters (``use_scale=False, use_bias=False``) when
@@ -25,12 +30,17 @@ parameters (``use_scale=False, use_bias=False``) when
 
 Usage:
   python benchmarks/compile_depth.py [--depths 3 12 48] [--batch 64]
+      [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import statistics
+import subprocess
+import sys
 import time
 
 import flax.linen as nn
@@ -39,7 +49,8 @@ import jax.numpy as jnp
 import optax
 
 import kfac_jax_lite as kl
-from step_time import warm_up_process  # benchmarks/ is this script's path.
+# benchmarks/ is this script's path:
+from step_time import cpu_model, warm_up_process
 
 
 class _Block(nn.Module):
@@ -116,12 +127,19 @@ def _step_fn(loss_fn, tx, collection):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def _measure(loss_fn, params, batch, tx, collection, steps):
+def _compile_time(loss_fn, params, batch, tx, collection):
+  """Seconds of one cold ``lower(...).compile()`` of a fresh step function
+  (a new closure: nothing of an earlier trace or compile is reused), and
+  the compiled step with its own params and state."""
   params = jax.tree.map(jnp.copy, params)  # Own copies: the steps donate.
   state = tx.init(params)
   step = _step_fn(loss_fn, tx, collection)
   compiled, t_compile = _timed(
       lambda: step.lower(params, state, batch).compile())
+  return t_compile, (compiled, params, state)
+
+
+def _step_time(compiled, params, state, batch, steps):
   params, state = compiled(params, state, batch)  # Warm up.
   times = []
   for _ in range(steps):
@@ -129,7 +147,52 @@ def _measure(loss_fn, params, batch, tx, collection, steps):
     params, state = compiled(params, state, batch)
     jax.block_until_ready(params)
     times.append(time.perf_counter() - start)
-  return t_compile, statistics.median(times)
+  return statistics.median(times)
+
+
+def _one(depth, stacked, affine, batch, name, steps):
+  """One compile of ``name``'s step (``"adam"`` or ``"kfac"``, whose
+  ``scan`` runs first, untimed) and its median step time, in seconds."""
+  loss_fn, params, batch = _problem(depth, stacked, affine, batch)
+  if name == "adam":
+    tx, collection = optax.adam(1e-3), None
+  else:
+    collection = kl.scan(loss_fn, params, batch, strict=True)
+    tx = kl.kfac(1e-3, collection)
+  t, compiled = _compile_time(loss_fn, params, batch, tx, collection)
+  return t, _step_time(*compiled, batch, steps)
+
+
+def _fresh(depth, stacked, affine, args, name):
+  """:func:`_one` in a fresh Python process (after its warm-up), as a user
+  meets the first compile of a step."""
+  cmd = [sys.executable, str(pathlib.Path(__file__).resolve()),
+         "--batch", str(args.batch), "--steps", str(args.steps),
+         "--child", str(depth), str(int(stacked)), str(int(affine)), name]
+  out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if out.returncode:
+    raise RuntimeError(f"{name} at depth {depth} failed:\n"
+                       f"{out.stderr[-3000:]}")
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  return got["compile_s"], got["step_s"]
+
+
+def _compare(depth, stacked, affine, args):
+  """Adam's and ``kfac``'s compile times, ``args.repeats`` of each
+  alternating (Adam, kfac, Adam, kfac, ...), so that a load burst lands
+  on either; each in a fresh process unless ``args.one_process``. Returns
+  both lists and the last median step times."""
+  times = {"adam": [], "kfac": []}
+  steps = {}
+  for _ in range(args.repeats):
+    for name in ("adam", "kfac"):
+      if args.one_process:
+        t, steps[name] = _one(depth, stacked, affine, args.batch, name,
+                              args.steps)
+      else:
+        t, steps[name] = _fresh(depth, stacked, affine, args, name)
+      times[name].append(t)
+  return times["adam"], times["kfac"], steps["adam"], steps["kfac"]
 
 
 def _affine_supported():
@@ -146,14 +209,30 @@ def main():
   parser.add_argument("--depths", type=int, nargs="+", default=[3, 12, 48])
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument(
+      "--repeats", type=int, default=3,
+      help="compiles of each step, alternating Adam and kfac; the table "
+           "gives medians and the ratio of the medians (default 3)")
+  parser.add_argument(
+      "--one-process", action="store_true",
+      help="compile every step in this process instead of one fresh "
+           "process per compile (faster; a process that has already "
+           "compiled large programs compiles the next ones slower)")
+  parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args()
   warm = warm_up_process()
+  if args.child:
+    depth, stacked, affine, name = args.child
+    t, step = _one(int(depth), bool(int(stacked)), bool(int(affine)),
+                   args.batch, name, args.steps)
+    print(json.dumps({"compile_s": t, "step_s": step}))
+    return
   affine = _affine_supported()
   print(f"one-time process warm-up, not in any compile time: JAX "
         f"{warm['jax']:.2f}s, LAPACK bindings {warm['lapack']:.2f}s, "
         f"first xᵀx {warm['gram']:.2f}s")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s); LayerNorm "
+        f"{jax.device_count()} device(s), {cpu_model()}; LayerNorm "
         f"{'with' if affine else 'WITHOUT'} scale/shift parameters"
         f"{'' if affine else ' (no scale_and_shift block in this version)'}")
   header = (f"{'depth':>5}  {'blocks':<9} {'layers':>6} {'scan s':>7} "
@@ -169,16 +248,20 @@ def main():
           lambda: kl.scan(loss_fn, params, batch, strict=True))
       ln = _problem(depth, stacked, True, args.batch)
       _, t_scan_ln = _timed(lambda: kl.scan(*ln, strict=True))
-      adam_c, adam_s = _measure(loss_fn, params, batch, optax.adam(1e-3),
-                                None, args.steps)
-      kfac_c, kfac_s = _measure(loss_fn, params, batch,
-                                kl.kfac(1e-3, collection), collection,
-                                args.steps)
+      adam_cs, kfac_cs, adam_s, kfac_s = _compare(depth, stacked, affine,
+                                                  args)
+      adam_c, kfac_c = statistics.median(adam_cs), statistics.median(kfac_cs)
       print(f"{depth:>5}  {'nn.scan' if stacked else 'unrolled':<9} "
             f"{len(collection.layers):>6} {t_scan:>7.3f} {t_scan_ln:>9.3f} "
             f"{adam_c:>14.2f} "
             f"{kfac_c:>14.2f} {kfac_c / adam_c:>6.1f} {1e3 * adam_s:>12.2f} "
             f"{1e3 * kfac_s:>12.2f}", flush=True)
+      if args.repeats > 1:
+        print(f"{'':>7}compiles (s): adam "
+              f"{', '.join(f'{t:.2f}' for t in adam_cs)}; kfac "
+              f"{', '.join(f'{t:.2f}' for t in kfac_cs)}; ratios "
+              f"{', '.join(f'{k / a:.2f}' for a, k in zip(adam_cs, kfac_cs))}",
+              flush=True)
 
 
 if __name__ == "__main__":

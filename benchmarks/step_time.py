@@ -369,8 +369,9 @@ def bench(model: str, args) -> list:
   base_med = statistics.median(adam.times)
   base_mean = statistics.mean(adam.times)
   print(f"\n## {problem.name}\n\njax {jax.__version__}, "
-        f"{jax.devices()[0].platform}, {platform.machine()}, "
-        f"{os.cpu_count()} CPUs; {len(adam.times)} timed steps each, "
+        f"{jax.devices()[0].platform}, {platform.machine()} "
+        f"({cpu_model()}), {os.cpu_count()} CPUs; {len(adam.times)} timed "
+        f"steps each, "
         f"interleaved; OPENBLAS_NUM_THREADS="
         f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; 1-min load "
         f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
@@ -468,6 +469,21 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   if unknown:
     p.error(f"unknown --models {sorted(unknown)}; use mlp, autoencoder")
   return args
+
+
+def cpu_model() -> str:
+  """The CPU's model name (``/proc/cpuinfo`` on Linux, else
+  ``platform.processor()``), for the tables' header: ratios against Adam
+  are what the benchmarks compare, but the absolute times (and first
+  calls in seconds) depend on the machine."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown CPU"
 
 
 def warm_up_process() -> dict:

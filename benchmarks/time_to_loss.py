@@ -54,7 +54,7 @@ import optax  # noqa: E402
 import kfac_jax_lite  # noqa: E402
 # benchmarks/ is this script's path: kfac_step is step_time's kfac step
 # (loss, gradient and statistics from value_grad_and_stats).
-from step_time import kfac_step, load_example  # noqa: E402
+from step_time import cpu_model, kfac_step, load_example  # noqa: E402
 
 ae = load_example("mnist_autoencoder")
 
@@ -243,8 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       params, images, args)
 
   print(f"\nautoencoder, batch {args.batch_size}; jax {jax.__version__}, "
-        f"{jax.devices()[0].platform}, {platform.machine()}, "
-        f"{os.cpu_count()} CPUs; OPENBLAS_NUM_THREADS="
+        f"{jax.devices()[0].platform}, {platform.machine()} "
+        f"({cpu_model()}), {os.cpu_count()} CPUs; OPENBLAS_NUM_THREADS="
         f"{os.environ.get('OPENBLAS_NUM_THREADS')}; 1-min load average "
         f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
   print(f"| adam lr | loss @ {args.adam_steps} | seconds | first call |")
