@@ -151,6 +151,67 @@ def test_damping_adapts_at_the_interval_and_one_program():
   assert float(helpers.classifier_loss(params, batches[0])) < 0.7 * start
 
 
+def test_reduction_ratio_is_the_loss_at_the_applied_update():
+  """ρ = (h(θ + u) − h(θ)) / q(u) with ``u`` the update this step returns
+  (θ + u is shared with the caller's apply_updates; a skipped step's
+  zeroed update leaves the damping as it was)."""
+  params, batches, c = _mlp_problem()
+  tx = kl.kfac_optimizer(c, initial_damping=1.0,
+                         damping_adaptation_interval=1)
+  step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
+  state = tx.init(params)
+  for batch in batches[:3]:
+    grads = jax.grad(helpers.classifier_loss)(params, batch)
+    updates, state = step(grads, state, params, batch)
+    new_params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(
+        state.new_loss, helpers.classifier_loss(new_params, batch),
+        rtol=1e-5)
+    np.testing.assert_allclose(
+        state.loss, helpers.classifier_loss(params, batch), rtol=1e-5)
+    np.testing.assert_allclose(
+        state.rho, (state.new_loss - state.loss) / state.qmodel_change,
+        rtol=1e-5)
+    assert float(state.new_loss) != float(state.loss)
+    params = new_params
+  bad = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads)
+  before = state
+  updates, state = step(bad, state, params, batches[3])
+  assert all(not np.any(u) for u in jax.tree.leaves(updates))
+  assert float(state.damping) == float(before.damping)
+  assert float(state.rho) == float(before.rho)
+
+
+def test_damping_rule_reads_the_caller_s_new_parameters():
+  """θ + u is formed outside the damping rule's conditional, as the
+  caller's ``apply_updates`` forms it (one sum XLA shares), so no branch
+  adds parameter-shaped arrays."""
+  params, batches, c = _mlp_problem()
+  tx = kl.kfac_optimizer(c, damping_adaptation_interval=2)
+  state = tx.init(params)
+
+  def step(params, state, batch):
+    updates, state = tx.update(None, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state
+
+  shapes = {x.shape for x in jax.tree.leaves(params)}
+
+  def branch_sums(jaxpr, inside):
+    found = 0
+    for eqn in jaxpr.eqns:
+      if inside and eqn.primitive.name in ("add", "add_any") and (
+          eqn.outvars[0].aval.shape in shapes):
+        found += 1
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        found += branch_sums(sub, inside or eqn.primitive.name == "cond")
+    return found
+
+  closed = jax.make_jaxpr(step)(params, state, batches[0])
+  conds = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+  assert conds  # the damping rule's (and the refresh's) conditionals
+  assert branch_sums(closed.jaxpr, False) == 0
+
+
 def test_fixed_values_without_adaptation():
   params, batches, c = _mlp_problem()
   tx = kl.kfac_optimizer(c, adapt_damping=False, adapt_learning_rate=False,
