@@ -39,7 +39,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -50,7 +49,7 @@ import optax
 
 import kfac_jax_lite as kl
 # benchmarks/ is this script's path:
-from step_time import cpu_model, warm_up_process
+from step_time import cpu_model, run_child, warm_up_process
 
 
 class _Block(nn.Module):
@@ -169,11 +168,7 @@ def _fresh(depth, stacked, affine, args, name):
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()),
          "--batch", str(args.batch), "--steps", str(args.steps),
          "--child", str(depth), str(int(stacked)), str(int(affine)), name]
-  out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  if out.returncode:
-    raise RuntimeError(f"{name} at depth {depth} failed:\n"
-                       f"{out.stderr[-3000:]}")
-  got = json.loads(out.stdout.strip().splitlines()[-1])
+  got = run_child(cmd, f"{name} at depth {depth}")
   return got["compile_s"], got["step_s"]
 
 

@@ -524,6 +524,15 @@ def _runners(model: str, args, problem: Problem, collection) -> list:
       [float(f) for f in args.stats_fractions.split(",") if f])
 
 
+def run_child(cmd: list, what: str) -> dict:
+  """Runs a benchmark's child process; returns the JSON object on the last
+  line of its output (raises with its stderr's end if it failed)."""
+  out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if out.returncode:
+    raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def cold_first_call(model: str, index: int, args,
                     cache: Optional[str] = None) -> tuple:
   """``(wall, cpu)`` seconds of the first call of ``make_runners``' entry
@@ -538,11 +547,7 @@ def cold_first_call(model: str, index: int, args,
          "--first-call-of", model, str(index)]
   if cache is not None:
     cmd += ["--compilation-cache", cache]
-  out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  if out.returncode:
-    raise RuntimeError(f"first call of {model} #{index} failed:\n"
-                       f"{out.stderr[-3000:]}")
-  got = json.loads(out.stdout.strip().splitlines()[-1])
+  got = run_child(cmd, f"first call of {model} #{index}")
   return got["wall_s"], got["cpu_s"]
 
 
