@@ -85,21 +85,29 @@ def assert_trees_close(a, b, rtol):
 
 
 def count_primitive(jaxpr, primitive, scope="", *, outside=None,
-                    not_into=()) -> int:
+                    not_into=(), within=(), shapes=None,
+                    _entered=False) -> int:
   """``primitive`` equations of ``jaxpr`` (recursively, into sub-jaxprs)
   under ``jax.named_scope(scope)`` (any scope by default); with
   ``outside`` (a scope or a tuple of them), only those under none of
   them. Sub-jaxprs of the primitives named in ``not_into`` are not
-  entered."""
+  entered. With ``within`` (primitive names), only equations inside a
+  sub-jaxpr of one of them count (e.g. ``("cond",)``: inside a branch);
+  with ``shapes`` (a set of shapes), only those whose first output has
+  one of them."""
   outside = (outside,) if isinstance(outside, str) else outside or ()
+  counted = _entered or not within
   n = 0
   for eqn in jaxpr.eqns:
     stack = str(eqn.source_info.name_stack)
-    if (eqn.primitive.name == primitive and scope in stack
-        and not any(o in stack for o in outside)):
+    if (eqn.primitive.name == primitive and counted and scope in stack
+        and not any(o in stack for o in outside)
+        and (shapes is None or eqn.outvars[0].aval.shape in shapes)):
       n += 1
     if eqn.primitive.name not in not_into:
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        n += count_primitive(sub, primitive, scope, outside=outside,
-                             not_into=not_into)
+        n += count_primitive(
+            sub, primitive, scope, outside=outside, not_into=not_into,
+            within=within, shapes=shapes,
+            _entered=_entered or eqn.primitive.name in within)
   return n
