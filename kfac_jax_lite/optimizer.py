@@ -284,17 +284,7 @@ def kfac_optimizer(collection: LayerCollection, *,
         lambda d, p: jnp.where(finite, (-alpha * d + mu * p).astype(p.dtype),
                                p), pos, prev)
 
-    # θ + u outside the conditional, as the caller's apply_updates writes
-    # it (the returned updates are zeroed unless finite): XLA computes the
-    # two identical sums once, and the damping rule's forward pass reads
-    # the new parameters instead of adding every W + U inside its branch
-    # (on the autoencoder of benchmarks/step_time.py: 220 compiled kernels
-    # instead of 236, at the same step time). A caller that applies other
-    # updates (a later transform in a chain) pays one extra sum per step.
-    new_params = optax.apply_updates(params,
-                                     transform.zero_unless(finite, updates))
-
-    def adapt(_):
+    def adapt(new_params):
       out = collection.loss_fn(new_params, batch)
       new_loss = (out[0] if collection.has_aux else out).astype(dt)
       if axis_name is not None:
@@ -305,9 +295,19 @@ def kfac_optimizer(collection: LayerCollection, *,
 
     do_adapt = ((count + 1) % damping_adaptation_interval) == 0
     if adapt_damping:
+      # θ + u outside the conditional, as the caller's apply_updates
+      # writes it (the returned updates are zeroed unless finite): XLA
+      # computes the two identical sums once, and the damping rule's
+      # forward pass reads the new parameters instead of adding every
+      # W + U inside its branch (on the autoencoder of
+      # benchmarks/step_time.py: 220 compiled kernels instead of 236, at
+      # the same step time). A caller that applies other updates (a later
+      # transform in a chain) pays one extra sum per step.
+      new_params = optax.apply_updates(
+          params, transform.zero_unless(finite, updates))
       new_lam, (rho, new_loss) = lax.cond(
           do_adapt, adapt, lambda _: (lam, (state.rho, state.new_loss)),
-          None)
+          new_params)
     else:
       new_lam, rho, new_loss = lam, state.rho, state.new_loss
     return updates, KFACOptimizerState(
