@@ -9,9 +9,8 @@ the blocks:
 * ``nn.scan``: flax ``nn.scan`` over stacked parameters ``[depth, ...]``,
   which the scanner turns into stacked layers whose blocks are vmapped.
 
-Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition),
-``scan LN`` the same for the model with LayerNorm scale/shift parameters
-(``48 + 2`` dense and ``48`` scale-and-shift layers at depth 48);
+Columns: ``scan`` is one cold ``kfac_jax_lite.scan`` (trace + recognition;
+``48 + 2`` dense and ``48`` scale-and-shift layers at depth 48, unrolled);
 ``adam``/``kfac compile`` the XLA compile of one jitted training step
 (``jit(...).lower(...).compile()``, lowering included) in a fresh Python
 process, as a user meets it: the median of ``--repeats`` processes of
@@ -23,10 +22,6 @@ time of a compiled step. Steps donate their params and state. Every
 process pays its one-time warm-up first (``step_time.warm_up_process``:
 JAX's and its LAPACK bindings' first-use costs, printed apart for this
 one), and ``kfac``'s processes run ``scan`` before the timed compile.
-
-Until the scale-and-shift block lands, the LayerNorms are built without
-parameters (``use_scale=False, use_bias=False``) when
-``make_block`` has no block for them; the script says which it used.
 
 Usage:
   python benchmarks/compile_depth.py [--depths 3 12 48] [--batch 64]
@@ -53,19 +48,16 @@ from step_time import cpu_model, run_child, warm_up_process
 
 
 class _Block(nn.Module):
-  affine: bool
 
   @nn.compact
   def __call__(self, x, _=None):
-    h = nn.LayerNorm(use_scale=self.affine, use_bias=self.affine)(
-        nn.Dense(64)(x))
+    h = nn.LayerNorm()(nn.Dense(64)(x))
     return x + nn.relu(h), None
 
 
 class Residual(nn.Module):
   depth: int
   stacked: bool
-  affine: bool
 
   @nn.compact
   def __call__(self, x):
@@ -73,15 +65,15 @@ class Residual(nn.Module):
     if self.stacked:
       blocks = nn.scan(_Block, variable_axes={"params": 0},
                        split_rngs={"params": True}, length=self.depth)
-      x, _ = blocks(self.affine)(x, None)
+      x, _ = blocks()(x, None)
     else:
       for _ in range(self.depth):
-        x, _ = _Block(self.affine)(x)
+        x, _ = _Block()(x)
     return nn.Dense(10)(x)
 
 
-def _problem(depth, stacked, affine, batch):
-  model = Residual(depth, stacked, affine)
+def _problem(depth, stacked, batch):
+  model = Residual(depth, stacked)
   x = jax.random.normal(jax.random.PRNGKey(0), (batch, 64))
   y = jnp.arange(batch) % 10
   params = model.init(jax.random.PRNGKey(1), x)
@@ -149,10 +141,10 @@ def _step_time(compiled, params, state, batch, steps):
   return statistics.median(times)
 
 
-def _one(depth, stacked, affine, batch, name, steps):
+def _one(depth, stacked, batch, name, steps):
   """One compile of ``name``'s step (``"adam"`` or ``"kfac"``, whose
   ``scan`` runs first, untimed) and its median step time, in seconds."""
-  loss_fn, params, batch = _problem(depth, stacked, affine, batch)
+  loss_fn, params, batch = _problem(depth, stacked, batch)
   if name == "adam":
     tx, collection = optax.adam(1e-3), None
   else:
@@ -162,17 +154,17 @@ def _one(depth, stacked, affine, batch, name, steps):
   return t, _step_time(*compiled, batch, steps)
 
 
-def _fresh(depth, stacked, affine, args, name):
+def _fresh(depth, stacked, args, name):
   """:func:`_one` in a fresh Python process (after its warm-up), as a user
   meets the first compile of a step."""
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()),
          "--batch", str(args.batch), "--steps", str(args.steps),
-         "--child", str(depth), str(int(stacked)), str(int(affine)), name]
+         "--child", str(depth), str(int(stacked)), name]
   got = run_child(cmd, f"{name} at depth {depth}")
   return got["compile_s"], got["step_s"]
 
 
-def _compare(depth, stacked, affine, args):
+def _compare(depth, stacked, args):
   """Adam's and ``kfac``'s compile times, ``args.repeats`` of each
   alternating (Adam, kfac, Adam, kfac, ...), so that a load burst lands
   on either; each in a fresh process unless ``args.one_process``. Returns
@@ -182,21 +174,11 @@ def _compare(depth, stacked, affine, args):
   for _ in range(args.repeats):
     for name in ("adam", "kfac"):
       if args.one_process:
-        t, steps[name] = _one(depth, stacked, affine, args.batch, name,
-                              args.steps)
+        t, steps[name] = _one(depth, stacked, args.batch, name, args.steps)
       else:
-        t, steps[name] = _fresh(depth, stacked, affine, args, name)
+        t, steps[name] = _fresh(depth, stacked, args, name)
       times[name].append(t)
   return times["adam"], times["kfac"], steps["adam"], steps["kfac"]
-
-
-def _affine_supported():
-  loss_fn, params, batch = _problem(1, False, True, 8)
-  try:
-    _ = kl.scan(loss_fn, params, batch).blocks
-    return True
-  except NotImplementedError:
-    return False
 
 
 def main():
@@ -213,41 +195,34 @@ def main():
       help="compile every step in this process instead of one fresh "
            "process per compile (faster; a process that has already "
            "compiled large programs compiles the next ones slower)")
-  parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+  parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   args = parser.parse_args()
   warm = warm_up_process()
   if args.child:
-    depth, stacked, affine, name = args.child
-    t, step = _one(int(depth), bool(int(stacked)), bool(int(affine)),
-                   args.batch, name, args.steps)
+    depth, stacked, name = args.child
+    t, step = _one(int(depth), bool(int(stacked)), args.batch, name,
+                   args.steps)
     print(json.dumps({"compile_s": t, "step_s": step}))
     return
-  affine = _affine_supported()
   print(f"one-time process warm-up, not in any compile time: JAX "
         f"{warm['jax']:.2f}s, LAPACK bindings {warm['lapack']:.2f}s, "
         f"first xᵀx {warm['gram']:.2f}s")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s), {cpu_model()}; LayerNorm "
-        f"{'with' if affine else 'WITHOUT'} scale/shift parameters"
-        f"{'' if affine else ' (no scale_and_shift block in this version)'}")
+        f"{jax.device_count()} device(s), {cpu_model()}")
   header = (f"{'depth':>5}  {'blocks':<9} {'layers':>6} {'scan s':>7} "
-            f"{'scan LN s':>9} "
             f"{'adam compile s':>14} {'kfac compile s':>14} {'ratio':>6} "
             f"{'adam step ms':>12} {'kfac step ms':>12}")
   print(header)
   print("-" * len(header))
   for depth in args.depths:
     for stacked in (False, True):
-      loss_fn, params, batch = _problem(depth, stacked, affine, args.batch)
+      loss_fn, params, batch = _problem(depth, stacked, args.batch)
       collection, t_scan = _timed(
           lambda: kl.scan(loss_fn, params, batch, strict=True))
-      ln = _problem(depth, stacked, True, args.batch)
-      _, t_scan_ln = _timed(lambda: kl.scan(*ln, strict=True))
-      adam_cs, kfac_cs, adam_s, kfac_s = _compare(depth, stacked, affine,
-                                                  args)
+      adam_cs, kfac_cs, adam_s, kfac_s = _compare(depth, stacked, args)
       adam_c, kfac_c = statistics.median(adam_cs), statistics.median(kfac_cs)
       print(f"{depth:>5}  {'nn.scan' if stacked else 'unrolled':<9} "
-            f"{len(collection.layers):>6} {t_scan:>7.3f} {t_scan_ln:>9.3f} "
+            f"{len(collection.layers):>6} {t_scan:>7.3f} "
             f"{adam_c:>14.2f} "
             f"{kfac_c:>14.2f} {kfac_c / adam_c:>6.1f} {1e3 * adam_s:>12.2f} "
             f"{1e3 * kfac_s:>12.2f}", flush=True)
