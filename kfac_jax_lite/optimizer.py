@@ -277,12 +277,13 @@ def kfac_optimizer(collection: LayerCollection, *,
     coeffs = jnp.stack([alpha, mu])
     change = 0.5 * coeffs @ (m + l2_reg * gram) @ coeffs + c @ coeffs
     # The new velocity, already selected: a skipped step keeps δ. The
-    # returned updates are it, zeroed unless finite (guarded_update_fn), so
-    # the caller's apply_updates reads this buffer and not δ, which it
-    # overwrites in place (else XLA copies δ first; see transform.kfac).
-    updates = jax.tree.map(
+    # returned updates are it, zeroed unless finite, so the caller's
+    # apply_updates reads this buffer and not δ, which it overwrites in
+    # place (else XLA copies δ first; see transform.kfac).
+    velocity = jax.tree.map(
         lambda d, p: jnp.where(finite, (-alpha * d + mu * p).astype(p.dtype),
                                p), pos, prev)
+    updates = transform.zero_unless(finite, velocity)
 
     def adapt(new_params):
       out = collection.loss_fn(new_params, batch)
@@ -296,22 +297,21 @@ def kfac_optimizer(collection: LayerCollection, *,
     do_adapt = ((count + 1) % damping_adaptation_interval) == 0
     if adapt_damping:
       # θ + u outside the conditional, as the caller's apply_updates
-      # writes it (the returned updates are zeroed unless finite): XLA
-      # computes the two identical sums once, and the damping rule's
-      # forward pass reads the new parameters instead of adding every
-      # W + U inside its branch (on the autoencoder of
-      # benchmarks/step_time.py: 220 compiled kernels instead of 236, at
-      # the same step time). A caller that applies other updates (a later
-      # transform in a chain) pays one extra sum per step.
-      new_params = optax.apply_updates(
-          params, transform.zero_unless(finite, updates))
+      # writes it (from the returned updates): XLA computes the two
+      # identical sums once, and the damping rule's forward pass reads
+      # the new parameters instead of adding every W + U inside its
+      # branch (on the autoencoder of benchmarks/step_time.py: 220
+      # compiled kernels instead of 236, at the same step time). A caller
+      # that applies other updates (a later transform in a chain) pays
+      # one extra sum per step.
+      new_params = optax.apply_updates(params, updates)
       new_lam, (rho, new_loss) = lax.cond(
           do_adapt, adapt, lambda _: (lam, (state.rho, state.new_loss)),
           new_params)
     else:
       new_lam, rho, new_loss = lam, state.rho, state.new_loss
     return updates, KFACOptimizerState(
-        curvature=cstate, velocity=updates, damping=new_lam,
+        curvature=cstate, velocity=velocity, damping=new_lam,
         learning_rate=alpha, momentum=mu, qmodel_change=change, rho=rho,
         loss=loss.astype(dt), new_loss=new_loss,
         num_skipped=state.num_skipped)
@@ -341,7 +341,6 @@ def kfac_optimizer(collection: LayerCollection, *,
     # state guards itself (gate=): no select or conditional copies it.
     updates, new_state = update_fn(grads, state, params, batch=batch,
                                    stats=stats, finite=finite, lin=lin)
-    updates = transform.zero_unless(finite, updates)
     rest = transform.select_tree(
         finite, new_state._replace(curvature=(), velocity=()),
         state._replace(curvature=(), velocity=()))
