@@ -89,11 +89,11 @@ def _step_time_step(model: str, label: str) -> tuple:
   """``(jitted step, its arguments)`` of ``step_time.py``'s runner
   ``label`` for ``model``, its state initialised (outside any timing)."""
   args = st.parse_args(["--periods", "5,10", "--stats-fractions", ""])
-  problem = st._problem(model, args)  # pylint: disable=protected-access
+  # pylint: disable=protected-access  (step_time's own model helpers)
+  problem = st._problem(model, args)
   collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
                                   problem.batches[0])
-  runners = st._runners(model, args, problem,  # pylint: disable=protected-access
-                        collection)
+  runners = st._runners(model, args, problem, collection)
   runner = {r.name: r for r in runners}[label]
   params = jax.tree.map(jnp.copy, runner.params)
   state = runner.tx.init(params)
@@ -103,7 +103,8 @@ def _step_time_step(model: str, label: str) -> tuple:
 
 def _residual_step(label: str, depth: int, batch: int) -> tuple:
   """``compile_depth.py``'s unrolled residual MLP step for ``label``."""
-  loss_fn, params, data = cd._problem(depth, False, batch)  # pylint: disable=protected-access
+  # pylint: disable=protected-access  (compile_depth's own model helpers)
+  loss_fn, params, data = cd._problem(depth, False, batch)
   if label == "optax.adam":
     tx, collection = optax.adam(1e-3), None
   else:
@@ -111,7 +112,7 @@ def _residual_step(label: str, depth: int, batch: int) -> tuple:
     tx = kfac_jax_lite.kfac(1e-3, collection)
   params = jax.tree.map(jnp.copy, params)
   state = tx.init(params)
-  step = cd._step_fn(loss_fn, tx, collection)  # pylint: disable=protected-access
+  step = cd._step_fn(loss_fn, tx, collection)
   return step, (params, state, data)
 
 

@@ -368,16 +368,17 @@ def bench(model: str, args) -> list:
   adam = runners[0]
   base_med = statistics.median(adam.times)
   base_mean = statistics.mean(adam.times)
-  print(f"\n## {problem.name}\n\njax {jax.__version__}, "
-        f"{jax.devices()[0].platform}, {platform.machine()} "
-        f"({cpu_model()}), {os.cpu_count()} CPUs; {len(adam.times)} timed "
-        f"steps each, "
-        f"interleaved; OPENBLAS_NUM_THREADS="
-        f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; 1-min load "
-        f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+  load_after = os.getloadavg()[0]
+  busy = max(load_before, load_after) > (os.cpu_count() or 1)
+  blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
+  print(f"\n## {problem.name}\n")
+  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, "
+        f"{platform.machine()} ({cpu_model()}), {os.cpu_count()} CPUs; "
+        f"{len(adam.times)} timed steps each, interleaved; "
+        f"OPENBLAS_NUM_THREADS={blas}; 1-min load average "
+        f"{load_before:.1f} before, {load_after:.1f} after"
         + (" (above the CPU count: other processes competed; expect noise)"
-           if max(load_before, os.getloadavg()[0]) > (os.cpu_count() or 1)
-           else "") + "\n")
+           if busy else "") + "\n")
   width = max(34, *(len(r.name) for r in runners))
   header = (f"| {'optimizer':<{width}} | first call | first call CPU | "
             f"{'median':>9} | {'mean':>9} | median/adam | mean/adam | "
