@@ -28,20 +28,20 @@ after the other:
 * ``other``: the rest of ``compile``, XLA's whole compile
   (``PjRtCpuClient::Compile``).
 
-``run`` is the first execution (K-FAC's refreshes its inverses, as every
-first step does) and ``total`` the wall clock from the start of tracing to
+``run`` is the first execution (K-FAC's also refreshes its inverses, as
+every first step does) and ``total`` the wall clock from the start of tracing to
 the end of that run: the first call of ``step_time.py``.
 
-The event names are XLA's internals, not a public contract: a phase whose
-events a later XLA renames prints as ``-`` and its time moves to
-``other``. The table gives medians over ``--repeats`` processes per
+The event names are XLA:CPU's internals, not a public contract: a phase
+whose events a later XLA renames (or another backend does not emit)
+prints as ``-`` and its time moves to ``other``. The table gives medians over ``--repeats`` processes per
 optimizer (Adam and the K-FAC steps alternate, so that a load burst lands
 on any of them), then each K-FAC step's ratios to Adam's and the compile
 time per kernel.
 
 Usage::
 
-  python benchmarks/compile_profile.py                 # ~2 min, 2-core CPU
+  python benchmarks/compile_profile.py                 # ~3 min, 2-core CPU
   python benchmarks/compile_profile.py --models mlp --repeats 5
 """
 
@@ -238,6 +238,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                  help="batch of the residual model")
   p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args.repeats < 1:
+    p.error(f"--repeats {args.repeats}: give at least 1 process per "
+            "optimizer")
   if args.child:
     _child(args.child[0], args.child[1], args)
     return {}
