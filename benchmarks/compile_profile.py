@@ -29,15 +29,15 @@ after the other:
   (``PjRtCpuClient::Compile``).
 
 ``run`` is the first execution (K-FAC's also refreshes its inverses, as
-every first step does) and ``total`` the wall clock from the start of tracing to
-the end of that run: the first call of ``step_time.py``.
+every first step does) and ``total`` the wall clock from the start of
+tracing to the end of that run: the first call of ``step_time.py``.
 
 The event names are XLA:CPU's internals, not a public contract: a phase
 whose events a later XLA renames (or another backend does not emit)
-prints as ``-`` and its time moves to ``other``. The table gives medians over ``--repeats`` processes per
-optimizer (Adam and the K-FAC steps alternate, so that a load burst lands
-on any of them), then each K-FAC step's ratios to Adam's and the compile
-time per kernel.
+prints as ``-`` and its time moves to ``other``. The table gives medians
+over ``--repeats`` processes per optimizer (Adam and the K-FAC steps
+alternate, so that a load burst lands on any of them), then each K-FAC
+step's ratios to Adam's and the compile time per kernel.
 
 Usage::
 
