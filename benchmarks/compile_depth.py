@@ -118,16 +118,21 @@ def _step_fn(loss_fn, tx, collection):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def _compile_time(loss_fn, params, batch, tx, collection):
-  """Seconds of one cold ``lower(...).compile()`` of a fresh step function
-  (a new closure: nothing of an earlier trace or compile is reused), and
-  the compiled step with its own params and state."""
-  params = jax.tree.map(jnp.copy, params)  # Own copies: the steps donate.
+def setup_step(depth, stacked, batch, name):
+  """``(step, (params, state, batch))``: a fresh jitted training step of
+  ``name`` (``"adam"`` or ``"kfac"``, whose ``scan`` runs here) for the
+  model, and its arguments (own copies of the params: the step donates
+  them). A new closure: nothing of an earlier trace or compile is
+  reused."""
+  loss_fn, params, batch = _problem(depth, stacked, batch)
+  if name == "adam":
+    tx, collection = optax.adam(1e-3), None
+  else:
+    collection = kl.scan(loss_fn, params, batch, strict=True)
+    tx = kl.kfac(1e-3, collection)
+  params = jax.tree.map(jnp.copy, params)
   state = tx.init(params)
-  step = _step_fn(loss_fn, tx, collection)
-  compiled, t_compile = _timed(
-      lambda: step.lower(params, state, batch).compile())
-  return t_compile, (compiled, params, state)
+  return _step_fn(loss_fn, tx, collection), (params, state, batch)
 
 
 def _step_time(compiled, params, state, batch, steps):
@@ -142,16 +147,11 @@ def _step_time(compiled, params, state, batch, steps):
 
 
 def _one(depth, stacked, batch, name, steps):
-  """One compile of ``name``'s step (``"adam"`` or ``"kfac"``, whose
-  ``scan`` runs first, untimed) and its median step time, in seconds."""
-  loss_fn, params, batch = _problem(depth, stacked, batch)
-  if name == "adam":
-    tx, collection = optax.adam(1e-3), None
-  else:
-    collection = kl.scan(loss_fn, params, batch, strict=True)
-    tx = kl.kfac(1e-3, collection)
-  t, compiled = _compile_time(loss_fn, params, batch, tx, collection)
-  return t, _step_time(*compiled, batch, steps)
+  """One cold ``lower(...).compile()`` of :func:`setup_step`'s step
+  (``scan`` runs first, untimed) and its median step time, in seconds."""
+  step, (params, state, batch) = setup_step(depth, stacked, batch, name)
+  compiled, t = _timed(lambda: step.lower(params, state, batch).compile())
+  return t, _step_time(compiled, params, state, batch, steps)
 
 
 def _fresh(depth, stacked, args, name):

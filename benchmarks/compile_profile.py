@@ -62,11 +62,8 @@ from typing import Callable, Optional, Sequence
 import step_time as st  # isort: skip
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 
 import compile_depth as cd  # noqa: E402
-import kfac_jax_lite  # noqa: E402
 
 PHASES = (("HLO passes", ("HLO passes through layout assignment",
                           "HLO passes after layout assignment")),
@@ -89,31 +86,11 @@ def _step_time_step(model: str, label: str) -> tuple:
   """``(jitted step, its arguments)`` of ``step_time.py``'s runner
   ``label`` for ``model``, its state initialised (outside any timing)."""
   args = st.parse_args(["--periods", "5,10", "--stats-fractions", ""])
-  # pylint: disable=protected-access  (step_time's own model helpers)
-  problem = st._problem(model, args)
-  collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
-                                  problem.batches[0])
-  runners = st._runners(model, args, problem, collection)
+  problem, _, runners = st.model_runners(model, args)
   runner = {r.name: r for r in runners}[label]
-  params = jax.tree.map(jnp.copy, runner.params)
-  state = runner.tx.init(params)
-  return runner.step, (params, state, problem.batches[0],
+  runner.prepare()
+  return runner.step, (runner.params, runner.state, problem.batches[0],
                        jax.random.PRNGKey(0))
-
-
-def _residual_step(label: str, depth: int, batch: int) -> tuple:
-  """``compile_depth.py``'s unrolled residual MLP step for ``label``."""
-  # pylint: disable=protected-access  (compile_depth's own model helpers)
-  loss_fn, params, data = cd._problem(depth, False, batch)
-  if label == "optax.adam":
-    tx, collection = optax.adam(1e-3), None
-  else:
-    collection = kfac_jax_lite.scan(loss_fn, params, data, strict=True)
-    tx = kfac_jax_lite.kfac(1e-3, collection)
-  params = jax.tree.map(jnp.copy, params)
-  state = tx.init(params)
-  step = cd._step_fn(loss_fn, tx, collection)
-  return step, (params, state, data)
 
 
 def compile_phases(xplane: str) -> dict:
@@ -170,7 +147,9 @@ def profile_first_call(step: Callable, args: tuple) -> dict:
 def _child(model: str, label: str, args) -> None:
   st.warm_up_process()
   if model == "residual":
-    step, step_args = _residual_step(label, args.depth, args.batch)
+    step, step_args = cd.setup_step(
+        args.depth, False, args.batch,
+        "adam" if label == "optax.adam" else "kfac")
   else:
     step, step_args = _step_time_step(model, label)
   print(json.dumps(profile_first_call(step, step_args)))

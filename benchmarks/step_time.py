@@ -193,13 +193,17 @@ class Runner:
     self.key, self.count, self.times = jax.random.PRNGKey(1), 0, []
     self.first_call_s = self.first_call_cpu_s = None
 
-  def run(self, num: int, record: bool) -> None:
-    if self.state is None:  # Built on first use, outside any timing.
+  def prepare(self) -> None:
+    """Builds the state on first use, outside any timing."""
+    if self.state is None:
       # Own copies: the steps donate params and state (as a training loop
       # should), which frees the buffers they were given.
       self.params = jax.tree.map(jnp.copy, self.params)
       self.state = self.tx.init(self.params)
       jax.block_until_ready(self.state)
+
+  def run(self, num: int, record: bool) -> None:
+    self.prepare()
     for _ in range(num):
       batch = self.batches[self.count % len(self.batches)]
       rng = jax.random.fold_in(self.key, self.count)
@@ -343,11 +347,9 @@ def bench(model: str, args) -> list:
   """Times one model's optimizers (``kfac_optimizer`` too on the
   autoencoder); prints the table and breakdown."""
   load_before = os.getloadavg()[0]
-  problem, with_optimizer = _problem(model, args), model != "mlp"
-  collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
-                                  problem.batches[0])
+  with_optimizer = model != "mlp"
+  problem, collection, runners = model_runners(model, args)
   periods = [int(s) for s in args.periods.split(",")]
-  runners = _runners(model, args, problem, collection)
   cached = {}
   for i, r in enumerate(runners):
     r.first_call_s, r.first_call_cpu_s = cold_first_call(model, i, args)
@@ -525,6 +527,15 @@ def _runners(model: str, args, problem: Problem, collection) -> list:
       [float(f) for f in args.stats_fractions.split(",") if f])
 
 
+def model_runners(model: str, args) -> tuple:
+  """``(problem, collection, runners)`` for ``model``: its problem, the
+  layers ``kfac_jax_lite.scan`` finds in it, and :func:`_runners`."""
+  problem = _problem(model, args)
+  collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
+                                  problem.batches[0])
+  return problem, collection, _runners(model, args, problem, collection)
+
+
 def run_child(cmd: list, what: str) -> dict:
   """Runs a benchmark's child process; returns the JSON object on the last
   line of its output (raises with its stderr's end if it failed)."""
@@ -558,10 +569,7 @@ def _first_call_child(args) -> None:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   warm_up_process()
-  problem = _problem(model, args)
-  collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
-                                  problem.batches[0])
-  runner = _runners(model, args, problem, collection)[index]
+  runner = model_runners(model, args)[2][index]
   runner.run(1, record=False)
   print(json.dumps({"wall_s": runner.first_call_s,
                     "cpu_s": runner.first_call_cpu_s}))
