@@ -10,6 +10,7 @@ from kfac_jax_lite.collection import Layer
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.estimator import EstimatorState
 from kfac_jax_lite.estimator import FisherEstimator
+from kfac_jax_lite.estimator import Stats
 from kfac_jax_lite.estimator import value_grad_and_stats
 from kfac_jax_lite.losses import LossSpec
 from kfac_jax_lite.optimizer import KFACOptimizerState

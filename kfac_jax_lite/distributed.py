@@ -53,14 +53,28 @@ from typing import Hashable, Sequence
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_lite import keys as keys_lib
 
 STATS_SYNCS = ("every_update", "before_refresh")
 
-# State fields that are not EMA'd statistics (the fallback when a block
-# does not name its ``factor_fields``).
+# State fields that are not EMA'd statistics (the fallback for blocks
+# without ``factors``).
 _NOT_FACTORS = ("weight", "damping", "cache")
+
+
+def check_options(axis_name, stats_sync, distributed_inverses):
+  """Raises ``ValueError`` for an invalid data-parallel option."""
+  if stats_sync not in STATS_SYNCS:
+    raise ValueError(
+        f"stats_sync={stats_sync!r}; choose one of "
+        f"{list(STATS_SYNCS)}.")
+  if distributed_inverses and axis_name is None:
+    raise ValueError(
+        "distributed_inverses=True needs axis_name=... (the pmap/shard_map "
+        "axis whose devices share the inverses); without an axis every "
+        "device computes all of them.")
 
 
 def axis_size(axis_name: Hashable, argument: str = "axis_name") -> int:
@@ -125,35 +139,34 @@ def replica_key(key, axis_name: Hashable):
   return keys_lib.derive(key, lax.axis_index(axis_name))
 
 
-def factor_fields(block, state) -> tuple:
-  """Names of the state fields holding EMA'd statistics.
-
-  A block (or the block a ``StackedBlock`` wraps) may name them with a
-  ``factor_fields`` attribute; otherwise every field except ``weight``,
-  ``damping`` and ``cache``.
-  """
-  b = block
-  while b is not None:
+def _factors(block, state):
+  """``(factors, rebuild)``: the EMA'd statistics of a block state (stacked
+  or not) and ``rebuild(factors) -> state``."""
+  if hasattr(block, "factors"):
+    return block.factors(state), lambda f: block.with_factors(state, f)
+  # MERGE: name-guessing fallback until every block has factors() (A2).
+  b, names = block, None
+  while b is not None and names is None:
     names = getattr(b, "factor_fields", None)
-    if names is not None:
-      return tuple(names)
     b = getattr(b, "inner", None)
-  return tuple(f for f in state._fields if f not in _NOT_FACTORS)
+  names = tuple(f for f in state._fields if f not in _NOT_FACTORS
+                ) if names is None else tuple(names)
+  return {k: getattr(state, k) for k in names}, lambda f: state._replace(**f)
 
 
 def average_factors(blocks: Sequence, states: Sequence, axis_name) -> list:
-  """``pmean`` of the factor fields of every block (one all-reduce).
+  """``pmean`` of the factors of every block (one all-reduce).
 
   Blocks that need parameter gradients (square-of-sum statistics) are
   skipped: their statistics are already reduced over the axis at every
-  update.
+  update. A state may hold a stack of same-shaped layers.
   """
   axis_size(axis_name)
-  picked = [{} if b.needs_param_grads else
-            {k: getattr(s, k) for k in factor_fields(b, s)}
+  picked = [None if b.needs_param_grads else _factors(b, s)
             for b, s in zip(blocks, states)]
-  picked = lax.pmean(picked, axis_name)
-  return [s._replace(**p) for s, p in zip(states, picked)]
+  means = lax.pmean([() if p is None else p[0] for p in picked], axis_name)
+  return [s if p is None else p[1](m)
+          for s, p, m in zip(states, picked, means)]
 
 
 def refresh_cost(state) -> float:
@@ -193,24 +206,27 @@ def assign(costs: Sequence[float], num_devices: int) -> tuple:
   return tuple(owners)
 
 
-def plan(states: Sequence, groups: Sequence[Sequence[int]],
-         num_devices: int):
+def plan(costs: Sequence[float], sizes: Sequence[int], num_devices: int):
   """Splits the refresh into units and assigns each to a device.
 
   A group of ``n`` same-shaped blocks (refreshed with one ``vmap``) becomes
   ``min(n, R)`` units of near-equal size (members ``j, j + c, ...``), so
   several identical layers are spread over devices too.
 
+  Args:
+    costs: the refresh cost of one member of each group.
+    sizes: each group's number of members.
+    num_devices: ``R``.
+
   Returns:
-    ``(units, owners)``: tuples of indices into ``states``, and each unit's
+    ``(units, owners)``: units ``(group, positions)`` and each unit's
     device.
   """
   units = []
-  for idx in groups:
-    c = min(len(idx), num_devices)
-    units.extend(tuple(idx[j::c]) for j in range(c))
-  costs = [len(u) * refresh_cost(states[u[0]]) for u in units]
-  return units, assign(costs, num_devices)
+  for k, n in enumerate(sizes):
+    c = min(n, num_devices)
+    units.extend((k, tuple(range(n))[j::c]) for j in range(c))
+  return units, assign([len(u) * costs[k] for k, u in units], num_devices)
 
 
 def _changed_leaves(block, state, damping) -> tuple:
@@ -235,8 +251,21 @@ def _changed_leaves(block, state, damping) -> tuple:
   return flags[0]
 
 
-def update_cache(blocks: Sequence, states: Sequence, damping, axis_name,
-                 groups: Sequence[Sequence[int]], refresh=None) -> list:
+def _take(state, size, pos):
+  """The members ``pos`` of a state stacking ``size`` layers (None: one
+  unstacked state), unstacked when ``pos`` has one member."""
+  if size is None:
+    return state
+  if len(pos) == 1:
+    return jax.tree.map(lambda x: x[pos[0]], state)
+  if len(pos) == size:
+    return state
+  step = pos[1] - pos[0]
+  return jax.tree.map(lambda x: x[pos[0]:pos[-1] + 1:step], state)
+
+
+def update_cache(blocks: Sequence, states: Sequence, sizes: Sequence,
+                 damping, axis_name, refresh=None) -> list:
   """Refreshes every block's cache, each on one device, then shares them.
 
   .. math::
@@ -247,50 +276,69 @@ def update_cache(blocks: Sequence, states: Sequence, damping, axis_name,
   same on every replica (averaged statistics, or :func:`average_factors`).
 
   Args:
-    blocks, states: the blocks to refresh and their states.
+    blocks, states: the blocks to refresh and their states; ``states[k]``
+      stacks ``sizes[k]`` same-shaped layers along a leading axis
+      (``sizes[k]`` None: one unstacked state).
+    sizes: as above.
     damping: λ for every block.
     axis_name: the data-parallel axis whose devices share the work.
-    groups: lists of indices of same-shaped blocks (refreshed under one
-      ``vmap`` per unit).
-    refresh: ``(index, state) -> new state`` for a unit of one block
-      (default ``blocks[index].update_cache(state, damping)``).
+    refresh: ``(k, state) -> new state`` for a unit of one layer of entry
+      ``k`` (default ``blocks[k].update_cache(state, damping)``).
 
   Returns:
     The new states, in order.
   """
   num = axis_size(axis_name)
-  units, owners = plan(states, groups, num)
+  member = [s if n is None else jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), s)
+            for s, n in zip(states, sizes)]
+  units, owners = plan([refresh_cost(m) for m in member],
+                       [1 if n is None else n for n in sizes], num)
+  changed = [_changed_leaves(b, m, damping) for b, m in zip(blocks, member)]
   me = lax.axis_index(axis_name)
-  shared, layout = [], []
-  for unit, owner in zip(units, owners):
-    block = blocks[unit[0]]
-    changed = _changed_leaves(block, states[unit[0]], damping)
+  shared = []
+  for (k, pos), owner in zip(units, owners):
+    block = blocks[k]
 
-    def mine(ss, block=block, changed=changed, unit=unit):
-      if len(unit) > 1:
+    def mine(ss, block=block, k=k, pos=pos):
+      if len(pos) > 1:
         new = jax.vmap(lambda s: block.update_cache(s, damping))(ss)
       elif refresh is not None:
-        new = refresh(unit[0], ss)
+        new = refresh(k, ss)
       else:
         new = block.update_cache(ss, damping)
-      return [x for x, c in zip(jax.tree.leaves(new), changed) if c]
+      return [x for x, c in zip(jax.tree.leaves(new), changed[k]) if c]
 
-    ss = states[unit[0]] if len(unit) == 1 else jax.tree.map(
-        lambda *xs: jnp.stack(xs), *[states[i] for i in unit])
+    ss = _take(states[k], sizes[k], pos)
     if num == 1:
       shared.append(mine(ss))
     else:
       zeros = lambda ss, mine=mine: jax.tree.map(  # noqa: E731
           lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(mine, ss))
       shared.append(lax.cond(me == owner, mine, zeros, ss))
-    layout.append((unit, changed))
   if num > 1:
     shared = lax.psum(shared, axis_name)
-  out = list(states)
-  for (unit, changed), vals in zip(layout, shared):
-    for j, i in enumerate(unit):
-      it = iter(v if len(unit) == 1 else v[j] for v in vals)
-      leaves = [next(it) if c else x
-                for x, c in zip(jax.tree.leaves(states[i]), changed)]
-      out[i] = jax.tree.unflatten(jax.tree.structure(states[i]), leaves)
-  return out
+  return [_assemble(states[k], sizes[k], changed[k],
+                    [(pos, v) for (j, pos), v in zip(units, shared) if j == k])
+          for k in range(len(states))]
+
+
+def _assemble(state, size, changed, pieces):
+  """``state`` with its changed leaves from the units' ``pieces``
+  ``(positions, values)`` (stacked back in member order)."""
+  if size is not None and len(pieces) == 1 and len(pieces[0][0]) > 1:
+    new = pieces[0][1]
+  elif size is not None:
+    order = [i for pos, _ in pieces for i in pos]
+    perm = np.argsort(order)
+    new = [jnp.concatenate([v[c] if len(pos) > 1 else v[c][None]
+                            for pos, v in pieces])
+           for c in range(len(pieces[0][1]))]
+    if order != sorted(order):
+      new = [x[perm] for x in new]
+  else:
+    new = pieces[0][1]
+  it = iter(new)
+  leaves = [next(it) if c else x
+            for x, c in zip(jax.tree.leaves(state), changed)]
+  return jax.tree.unflatten(jax.tree.structure(state), leaves)

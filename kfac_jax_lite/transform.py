@@ -417,8 +417,9 @@ def inputs_finite(updates, stats=None, axis_name=None) -> jnp.ndarray:
   leaf.
   """
   check = [updates]
-  if isinstance(stats, dict) and "finite_marker" in stats:
-    check.append(stats["finite_marker"])
+  marker = getattr(stats, "finite_marker", None)  # MERGE: Stats attribute.
+  if marker is not None:
+    check.append(marker)
   elif stats is not None:
     check.append(stats)
   finite = linalg.all_finite(check)

@@ -1,0 +1,237 @@
+"""Groups of same-shaped blocks, stacked and mapped with one ``vmap``.
+
+Blocks that differ only in their layer (same type, options, layout, state
+and parameter shapes) form a group. The estimator state holds one state per
+group, stacked along a new leading axis when the group has more than one
+layer, and every verb runs one ``jax.vmap`` per group: the compiled step
+has one eigendecomposition, inverse or EMA per *shape*, not per layer
+(docs/performance.md#stacked-groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax_lite import _xla_cpu
+
+
+class EstimatorState(NamedTuple):
+  """The estimator state: one (stacked) block state per group.
+
+  ``stacked`` maps each group of same-shaped blocks to its state, stacked
+  along a new leading axis when the group has more than one layer. Its keys
+  name the group's layer indices (``"3"``, ``"1,2,4"``), so the grouping is
+  part of the pytree structure and survives ``jit``, checkpoints and flax
+  serialisation. :attr:`blocks` is a read-only per-layer view.
+  """
+  stacked: dict          # "i,j,..." -> the group's (stacked) block state
+  params_stats: Any      # EMA of the mean per-source gradient, or ()
+  params_weight: Any     # [] its EMA weight, or ()
+
+  @property
+  def groups(self) -> tuple:
+    """The layer indices of each group, in the order of ``stacked``."""
+    return parse_names(self.stacked)
+
+  @property
+  def blocks(self) -> tuple:
+    """One block state per layer, in collection order (sliced out of the
+    stacks when asked for; read-only)."""
+    return layer_view(self.stacked)
+
+
+class Unstacked(NamedTuple):
+  """Per-layer values of a group whose members' shapes differ (one per
+  layer of the group, in its order), where a stack is not possible."""
+  members: tuple
+
+
+def group_name(group) -> str:
+  return ",".join(str(i) for i in group)
+
+
+def parse_names(stacked: dict) -> tuple:
+  """The groups of a dict keyed by :func:`group_name`."""
+  return tuple(tuple(int(i) for i in k.split(",")) for k in stacked)
+
+
+def layer_view(stacked: dict) -> tuple:
+  """Per-layer entries of a dict of per-group (stacked) entries."""
+  groups = parse_names(stacked)
+  return tuple(per_layer(groups, list(stacked.values()),
+                         sum(len(g) for g in groups)))
+
+
+def shapes(tree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((x.shape, str(x.dtype)) for x in leaves)
+
+
+def group_key(block, state):
+  """Blocks with equal keys can be stacked: same type, options, layout,
+  state shapes and parameter shapes (vectors are stacked too)."""
+  return (dataclasses.replace(block, layer=None), shapes(state),
+          block.layer.param_shapes)
+
+
+def keyed_groups(keys) -> tuple:
+  """Indices with equal keys, grouped in order of first occurrence."""
+  groups = {}
+  for i, k in enumerate(keys):
+    groups.setdefault(k, []).append(i)
+  return tuple(tuple(g) for g in groups.values())
+
+
+def find_groups(blocks, states) -> tuple:
+  """Indices of blocks that differ only in their layer, grouped."""
+  return keyed_groups([group_key(b, s) for b, s in zip(blocks, states)])
+
+
+def selected(group, wanted) -> list:
+  """Positions in ``group`` of the layers in ``wanted`` (None: all)."""
+  return [j for j, i in enumerate(group) if wanted is None or i in wanted]
+
+
+class Part(NamedTuple):
+  """Some layers of one group (:func:`select`)."""
+  group: int          # the group's index
+  index: Any          # their positions in the group's stack (None: all)
+  state: Any          # the group's state restricted to them
+
+
+def select(groups, stacked: list, layers) -> list:
+  """A :class:`Part` for every group with layers in ``layers`` (None:
+  all layers); a part of a stacked group stays stacked."""
+  wanted = None if layers is None else set(layers)
+  out = []
+  for k, (g, st) in enumerate(zip(groups, stacked)):
+    pos = selected(g, wanted)
+    if pos:
+      idx = None if len(pos) == len(g) else np.asarray(pos)
+      out.append(Part(k, idx, st if idx is None else jax.tree.map(
+          lambda x, idx=idx: x[idx], st)))
+  return out
+
+
+def put(stacked: list, parts, new) -> list:
+  """``stacked`` with each of :func:`select`'s parts replaced by ``new``."""
+  out = list(stacked)
+  for p, n in zip(parts, new):
+    out[p.group] = n if p.index is None else jax.tree.map(
+        lambda x, y, idx=p.index: x.at[idx].set(y), out[p.group], n)
+  return out
+
+
+def stack(trees):
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def unstack(tree, n, runtime_index=False) -> list:
+  """The ``n`` slices of a stacked tree, ``[x[0], ..., x[n-1]]``.
+
+  With ``runtime_index`` each ``x[j]`` is a ``dynamic_slice`` at an index
+  XLA does not know at compile time
+  (:func:`~kfac_jax_lite._xla_cpu.opaque_indices`), so the kernels that
+  consume the slices of one group are one kernel, compiled once. Use it
+  where the slices are materialised anyway (outputs); static slices let
+  XLA cancel a split followed by a stack.
+  """
+  if not runtime_index:
+    return [jax.tree.map(lambda x, j=j: x[j], tree) for j in range(n)]
+  index = _xla_cpu.opaque_indices(n, jax.tree.leaves(tree)[0])
+  return [jax.tree.map(
+      lambda x, j=j: jax.lax.dynamic_index_in_dim(x, j, keepdims=False),
+      tree) for j in index]
+
+
+def members(x, n: int) -> list:
+  """The ``n`` per-layer values of a group's entry ``x``."""
+  if n == 1:
+    return [x]
+  return list(x.members) if isinstance(x, Unstacked) else unstack(x, n)
+
+
+def per_layer(groups, per_group, num_layers, runtime_index=False) -> list:
+  """Per-layer entries from per-group ones (stacked for groups of 2+;
+  ``runtime_index`` as :func:`unstack`)."""
+  out = [None] * num_layers
+  for g, r in zip(groups, per_group):
+    parts = [r] if len(g) == 1 else (
+        list(r.members) if isinstance(r, Unstacked)
+        else unstack(r, len(g), runtime_index))
+    for i, part in zip(g, parts):
+      out[i] = part
+  return out
+
+
+def combine(parts: list):
+  """One group entry from its layers' values: stacked when their shapes
+  agree (a single layer's value as is), else :class:`Unstacked`."""
+  if len(parts) == 1:
+    return parts[0]
+  if len({shapes(p) for p in parts}) == 1:
+    return stack(parts)
+  return Unstacked(tuple(parts))
+
+
+def map_group(fn, block, n: int, state, x):
+  """``fn(block, state, x)`` for a group of ``n`` layers: one ``vmap``
+  over the stacked ``state`` and ``x``, or layer by layer when ``x`` is
+  :class:`Unstacked`."""
+  if n == 1:
+    return fn(block, state, x)
+  if isinstance(x, Unstacked):
+    return stack([fn(block, s, m) for s, m in zip(unstack(state, n),
+                                                   x.members)])
+  return jax.vmap(lambda s, m: fn(block, s, m))(state, x)
+
+
+def grouped_map(blocks, states, fn) -> list:
+  """``[fn(b, s)]`` for per-layer blocks and states, one ``vmap`` per group
+  of same-shaped blocks."""
+  out = [None] * len(blocks)
+  for g in find_groups(blocks, states):
+    b = blocks[g[0]]
+    if len(g) == 1:
+      out[g[0]] = fn(b, states[g[0]])
+      continue
+    res = jax.vmap(lambda s, b=b: fn(b, s))(stack([states[i] for i in g]))
+    for i, r in zip(g, unstack(res, len(g))):
+      out[i] = r
+  return out
+
+
+def group_stats(blocks, groups, layer_data) -> list:
+  """``block.compute_stats(data)`` per group, stacked like the state.
+
+  Within a group, the layers whose ``LayerData`` have equal structure,
+  shapes and (static) batch size are one ``vmap``: the statistics of ``L``
+  same-shaped layers are one batched computation (one ``dot_general`` per
+  factor, not ``L``). A group whose layers' data differ in shape is
+  computed per subgroup and then combined (:func:`combine`).
+  """
+  out = []
+  for g in groups:
+    b = blocks[g[0]]
+    data = [layer_data[i]._replace(batch_size=None) for i in g]
+    sizes = [layer_data[i].batch_size for i in g]
+    subs = keyed_groups([(shapes(d), n) for d, n in zip(data, sizes)])
+    parts = [None] * len(g)
+    results = []
+    for sub in subs:
+      n = sizes[sub[0]]
+      fn = lambda d, b=b, n=n: b.compute_stats(d._replace(batch_size=n))  # noqa: E731
+      res = fn(data[sub[0]]) if len(sub) == 1 else jax.vmap(fn)(
+          stack([data[j] for j in sub]))
+      results.append(res)
+      if len(subs) > 1:
+        for j, r in zip(sub, unstack(res, len(sub)) if len(sub) > 1
+                        else [res]):
+          parts[j] = r
+    out.append(results[0] if len(subs) == 1 else combine(parts))
+  return out

@@ -1,0 +1,434 @@
+"""Minibatch curvature statistics from one linearisation of the loss.
+
+The statistics of every block come from one ``jax.vjp`` of the loss function
+re-evaluated with zero perturbations at the tagged layer outputs
+(:func:`kfac_jax_lite.scanner.perturbed_fn`):
+
+* cotangent 1 on the loss gives the true gradient (and, for free, the
+  per-layer gradients of the mean loss);
+* cotangents :math:`c_s` at each loss tag's parameters ``z`` give the output
+  gradients :math:`J_s^T c_s` used by the Fisher factors. They are, per
+  estimation mode (``w`` the loss weight, ``S`` the number of sources):
+
+  - ``gradients``: :math:`\\sqrt{w/S}\\, \\nabla_z \\mathrm{nll}(z, \\hat y_s)`,
+    :math:`\\hat y_s \\sim p(y|z)` (Martens & Grosse 2015, sec. 5);
+  - ``empirical``: :math:`\\sqrt{w}\\, \\nabla_z \\mathrm{nll}(z, y)` with data
+    targets (so the Fisher scales by ``w``, not ``w²`` as TF K-FAC did);
+  - ``curvature_prop`` / ``curvature_prop_GGN``: :math:`\\sqrt{w/S}\\, B r_s`,
+    ``r`` Rademacher, ``B Bᵀ = F_R`` (Martens, Sutskever & Swersky 2012);
+  - ``exact`` / ``exact_GGN``: :math:`\\sqrt{w}\\, B e_k` for every output
+    coordinate ``k`` (``vmap``, no Python loop).
+
+  All sources are pulled back through the *same* linearisation with
+  ``jax.vmap`` over the cotangents; the forward pass runs once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+import warnings
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from kfac_jax_lite import _xla_cpu
+from kfac_jax_lite import blocks as blocks_lib
+from kfac_jax_lite import distributed
+from kfac_jax_lite import grouping
+from kfac_jax_lite import keys as keys_lib
+from kfac_jax_lite import linalg
+from kfac_jax_lite import scanner
+from kfac_jax_lite.collection import LayerCollection
+
+MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN",
+         "exact", "exact_GGN")
+MODE_ALIASES = {
+    "fisher_gradients": "gradients", "fisher_empirical": "empirical",
+    "fisher_curvature_prop": "curvature_prop",
+    "ggn_curvature_prop": "curvature_prop_GGN", "fisher_exact": "exact",
+    "ggn_exact": "exact_GGN"}
+
+
+def canonical_mode(mode: str) -> str:
+  mode = MODE_ALIASES.get(mode, mode)
+  if mode not in MODES:
+    raise ValueError(
+        f"estimation_mode={mode!r} is unknown; choose one of {list(MODES)} "
+        f"(or kfac-jax's names {sorted(MODE_ALIASES)}).")
+  return mode
+
+
+def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
+  """Per loss, the stacked cotangents ``[S, *z.shape]`` (same S for all)."""
+  if mode == "empirical":
+    out = []
+    for i, (spec, z, y) in enumerate(zip(specs, zs, targets)):
+      if y is None:
+        raise ValueError(
+            f"estimation_mode='empirical' needs data targets, but loss tag "
+            f"{i} ({spec.kind}) was registered without targets. Pass "
+            "targets=... to its register_* call, or use 'gradients'.")
+      out.append((math.sqrt(spec.weight) * spec.nll_grad(z, y))[None])
+    return out
+  if mode in ("exact", "exact_GGN"):
+    cols = [math.sqrt(s.weight) * s.factor_columns(z)
+            for s, z in zip(specs, zs)]
+    total = sum(c.shape[0] for c in cols)
+    out, offset = [], 0
+    for c in cols:
+      pad = ((offset, total - offset - c.shape[0]),) + ((0, 0),) * (c.ndim - 1)
+      out.append(jnp.pad(c, pad))
+      offset += c.shape[0]
+    return out
+  out = []
+  for i, (spec, z) in enumerate(zip(specs, zs)):
+    scale = math.sqrt(spec.weight / num_samples)
+    # Hashed keys and draws: no threefry in the step (kfac_jax_lite.keys).
+    ks = keys_lib.sample_keys(key, i, num_samples)
+    if mode == "gradients":
+      ct = jax.vmap(lambda kk, z=z, spec=spec: spec.nll_grad(
+          z, spec.sample(kk, z)))(ks)
+    else:  # curvature_prop(_GGN): B r with Rademacher r.
+      def one(kk, z=z, spec=spec):
+        dt = jnp.promote_types(z.dtype, jnp.float32)
+        r = jnp.where(keys_lib.uniform(kk, z.shape) < 0.5, -1.0, 1.0
+                      ).astype(dt)
+        return spec.fisher_factor(z, r)
+      ct = jax.vmap(one)(ks)
+    out.append(scale * ct)
+  return out
+
+
+def _site_layout(x, n_scan):
+  """``[T1..Tk, B, ...]`` -> ``[B, U, ...]`` (U = T1*..*Tk, 1 if no scan)."""
+  lead = x.shape[:n_scan]
+  x = x.reshape((int(math.prod(lead)),) + x.shape[n_scan:])
+  return jnp.moveaxis(x, 0, 1)
+
+
+def _grads_layout(g, n_scan):
+  """``[S, T1..Tk, B, ...]`` -> ``[S, B, U, ...]``."""
+  return jax.vmap(lambda x: _site_layout(x, n_scan))(g)
+
+
+def _site_inputs(x, site):
+  """A recorded input in block layout; stacked sites get the stack axis first.
+
+  ``[T1..Tk, B, ...]`` -> ``[B, U, ...]``, or ``[L, B, U, ...]`` when scan
+  ``site.stack`` slices the layer's stacked parameters (``U`` then counts
+  the other scans' steps only).
+  """
+  n = len(site.scan_lengths)
+  if site.stack is None:
+    return _site_layout(x, n)
+  return jax.vmap(lambda t: _site_layout(t, n - 1))(
+      jnp.moveaxis(x, site.stack, 0))
+
+
+def _site_grads(g, site):
+  """``[S, T1..Tk, B, ...]`` -> ``[S, B, U, ...]`` (``[L, S, B, U, ...]``)."""
+  n = len(site.scan_lengths)
+  if site.stack is None:
+    return _grads_layout(g, n)
+  return jax.vmap(lambda t: _grads_layout(t, n - 1))(
+      jnp.moveaxis(g, site.stack + 1, 0))
+
+
+def _param_grads(p_bar, layer):
+  """``[S, *leaf]``; ``[L, S, ...]`` for a stacked layer."""
+  return jnp.moveaxis(p_bar, 1, 0) if layer.stack else p_bar
+
+
+class Linearized:
+  """One linearisation of the loss function (a single forward pass).
+
+  Its transpose gives the gradient and the statistics' output gradients; its
+  JVP gives ``J u`` for Fisher-vector products (the optimizer's quadratic
+  model). Built inside a trace; not a pytree.
+
+  With ``with_jvp=False`` (the gradient and the statistics only) it is
+  built by ``jax.vjp``, whose pullback transposes the linear jaxpr
+  directly; ``jax.linearize`` (``with_jvp=True``) returns a JVP function
+  whose transpose re-traces the model once more at trace time
+  (docs/performance.md#vjp-not-linearize). Asked for a JVP anyway, a
+  ``with_jvp=False`` linearisation transposes its pullback once.
+  """
+
+  def __init__(self, collection: LayerCollection, params, batch,
+               head_only: bool = False, with_jvp: bool = False):
+    # Under shard_map, linearise per replica (see distributed.vary).
+    self._axes = distributed.varying_axes(batch)
+    params = distributed.vary(params, self._axes)
+    traced = scanner.perturbed_fn(collection, params, batch)
+    eps = distributed.vary(traced.eps, self._axes)
+    if with_jvp:
+      (loss, zs), jvp, (aux, records, targets) = jax.linearize(
+          traced.fn, params, eps, has_aux=True)
+      vjp = jax.linear_transpose(jvp, params, eps)
+    else:
+      (loss, zs), vjp, (aux, records, targets) = jax.vjp(
+          traced.fn, params, eps, has_aux=True)
+      jvp = None
+    self.collection = collection
+    self.params = params
+    self.sites = traced.sites
+    self.eps = eps
+    self.loss, self.zs, self.aux = loss, zs, aux
+    self.records, self.targets = records, targets
+    self._jvp = jvp
+    self.vjp = vjp
+    # True for the linearisation of a batch's first ⌈f·B⌉ examples
+    # (FisherEstimator.linearize_head): its statistics use every row.
+    self.head_only = head_only
+
+  @property
+  def jvp(self):
+    """``(u, eps_tangent) -> (loss, zs)`` tangents: the linearisation."""
+    if self._jvp is None:  # Built by jax.vjp: transpose its pullback once.
+      transposed = jax.linear_transpose(self.vjp, (self.loss, self.zs))
+      self._jvp = lambda u, eps_t: transposed((u, eps_t))[0]
+    return self._jvp
+
+  def gradient(self):
+    """``∂ loss / ∂ params``: this replica's own under ``shard_map``/``pmap``.
+
+    Unlike ``jax.grad`` under ``shard_map``, which sums the gradient of
+    replicated parameters over the axis, this is never reduced: average it
+    with ``lax.pmean`` as under ``pmap``.
+    """
+    return self.vjp((jnp.ones_like(self.loss),
+                     tuple(jnp.zeros_like(z) for z in self.zs)))[0]
+
+  def output_jvp(self, tangent):
+    """``J u``: the loss tags' input tangents for a params-shaped ``u``."""
+    eps_t = jax.tree.map(jnp.zeros_like, self.eps)
+    return self.jvp(distributed.vary(tangent, self._axes), eps_t)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+  """Statistics inputs from one linearisation."""
+  layer_data: tuple
+  param_grads_all: Any   # [S, leaf] grads of the summed source losses, or None
+
+
+def check_options(stats_fraction, stats_min_examples, num_samples):
+  """Raises ``ValueError`` for an invalid option of the statistics."""
+  if isinstance(stats_fraction, bool) or not isinstance(
+      stats_fraction, (int, float)) or not (
+          0.0 < stats_fraction <= 1.0):
+    raise ValueError(
+        f"stats_fraction={stats_fraction!r} must be a number in "
+        "(0, 1]: the fraction of each batch whose examples enter the "
+        "factors (1.0 uses every example).")
+  if isinstance(stats_min_examples, bool) or not isinstance(
+      stats_min_examples, int) or stats_min_examples < 1:
+    raise ValueError(
+        f"stats_min_examples={stats_min_examples!r} must be a "
+        "positive int: the fewest examples stats_fraction may keep.")
+  if not isinstance(num_samples, int) or num_samples < 1:
+    raise ValueError(
+        f"num_samples={num_samples!r} must be a positive int.")
+
+
+def stats_rows(batch_size: int, fraction: float, minimum: int = 1) -> int:
+  """``min(B, max(⌈fraction · B⌉, minimum))``: the examples whose rows
+  enter the factors."""
+  rows = max(minimum, math.ceil(fraction * batch_size - 1e-9))
+  return max(1, min(batch_size, rows))
+
+
+def first_examples(x, axis: int, rows: int):
+  """The first ``rows`` entries of ``x`` along its batch ``axis``."""
+  if x.shape[axis] == rows:
+    return x
+  return lax.slice_in_dim(x, 0, rows, axis=axis)
+
+
+def _site_head(x, site, rows, leading=0):
+  """A recorded site array cut to its first ``rows`` examples (``None``:
+  uncut). Its batch axis follows ``leading`` source axes and the site's
+  scan axes: ``[S?, T1..Tk, B, ...]``."""
+  if rows is None:
+    return x
+  return first_examples(x, leading + len(site.scan_lengths), rows)
+
+
+def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
+                     need_all_param_grads, axis_name=None,
+                     fraction: float = 1.0, min_rows: int = 1) -> Pass:
+  collection = lin.collection
+  cts = _loss_cotangents(mode, collection.losses, lin.zs, lin.targets, key,
+                         num_samples)
+  cts = tuple(c.astype(z.dtype) for c, z in zip(cts, lin.zs))
+  generic = sorted({i for l, b in zip(collection.layers, blocks)
+                    if b.needs_param_grads for i in l.param_indices})
+
+  def pull(ct):
+    p_bar, eps_bar = lin.vjp((jnp.zeros_like(lin.loss), ct))
+    leaves = jax.tree.leaves(p_bar)
+    if need_all_param_grads:
+      return leaves, eps_bar
+    return {i: leaves[i] for i in generic}, eps_bar
+
+  if cts[0].shape[0] == 1:
+    # One cotangent per loss (one sample): a direct VJP. A size-1 vmap
+    # would put a unit axis on every op of the backward pass, which XLA's
+    # simplifier strips one layer per fixed-point iteration (its loop
+    # length grows with depth).
+    p_bars, eps_bars = jax.tree.map(
+        lambda x: x[None], pull(tuple(c[0] for c in cts)))
+  else:
+    p_bars, eps_bars = jax.vmap(pull)(cts)
+  batch_size = lin.zs[0].shape[0]
+  block_p_bars, block_batch = p_bars, batch_size
+  if axis_name is not None and generic:
+    # Square-of-sum statistics are no means over examples: sum the
+    # per-source gradients over the global batch before the blocks square.
+    block_p_bars = {i: lax.psum(p_bars[i], axis_name) for i in generic}
+    block_batch = batch_size * distributed.axis_size(axis_name)
+  leaves = jax.tree.leaves(lin.params)
+  sites_of = {}
+  for s in lin.sites:
+    sites_of.setdefault(s.leaves, []).append(s)
+  # Row statistics use the first ⌈fraction·B⌉ examples: recorded inputs are
+  # [T1..Tk, B, ...] and output gradients [S, T1..Tk, B, ...].
+  # Blocks from summed parameter gradients keep the whole batch (their
+  # sites may have no batch axis at all).
+  rows = stats_rows(batch_size, fraction, min_rows)
+  data = []
+  for layer, block in zip(collection.layers, blocks):
+    sites = sites_of.get(layer.param_indices, [])
+    n = None if block.needs_param_grads else rows
+    data.append(blocks_lib.LayerData(
+        inputs=tuple(tuple(_site_inputs(_site_head(x, s, n), s)
+                           for x in lin.records[s.key]) for s in sites),
+        grads=tuple(_site_grads(_site_head(eps_bars[s.key], s, n, 1), s)
+                    for s in sites),
+        params=tuple(leaves[i] for i in layer.param_indices),
+        param_grads=tuple(_param_grads(block_p_bars[i], layer)
+                          for i in layer.param_indices)
+        if block.needs_param_grads else (),
+        batch_size=block_batch if block.needs_param_grads else rows))
+  return Pass(layer_data=tuple(data),
+               param_grads_all=p_bars if need_all_param_grads else None)
+
+
+def linearize_head(collection, params, batch, lin: Linearized,
+                   fraction: float, min_examples: int,
+                   with_jvp: bool = True) -> Linearized:
+  """:meth:`FisherEstimator.linearize_head`: ``lin``, or the linearisation
+  of the batch's first ``m = ⌈f·B⌉`` examples (warning and returning
+  ``lin`` when the cut batch does not give loss tags of ``m`` rows)."""
+  total = lin.zs[0].shape[0] if lin.zs else 0
+  rows = stats_rows(total, fraction,
+                    min_examples) if total else 0
+  if rows == total:
+    return lin
+  head = jax.tree.map(
+      lambda x: first_examples(x, 0, rows)
+      if getattr(x, "ndim", 0) and x.shape[0] == total else x, batch)
+  try:
+    out = Linearized(collection, params, head, head_only=True,
+                     with_jvp=with_jvp)
+    got = sorted({z.shape[0] for z in out.zs})
+    problem = None if got == [rows] else f"loss tags of {got} rows"
+  except (TypeError, ValueError) as e:  # The full batch traced fine.
+    problem = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+  if problem is None:
+    return out
+  warnings.warn(
+      f"stats_fraction={fraction!r}: cutting the batch to its "
+      f"first {rows} of {total} examples (every leaf whose leading axis "
+      f"has {total} entries) gave {problem}, so the curvature is "
+      "linearised on the whole batch: the factors still use the first "
+      "rows, but the Fisher products cost as much as without "
+      "stats_fraction. Put the example axis first in every batch leaf to "
+      "save that.", stacklevel=3)
+  return lin
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("stacked", "params", "finite_marker"),
+                   meta_fields=("reduction",))
+@dataclasses.dataclass(frozen=True)
+class Stats:
+  """Minibatch statistics, grouped as the estimator state.
+
+  Attributes:
+    stacked: per group of the state (same keys as
+      :attr:`EstimatorState.stacked`), the blocks' ``compute_stats``,
+      stacked like the group's state.
+    params: the mean per-source gradient (``compute_params_stats``), or
+      ``()``.
+    finite_marker: ``[]`` float32, ``0`` when every statistic is finite and
+      NaN otherwise (:func:`~kfac_jax_lite._xla_cpu.finite_marker`); it
+      stands for the statistics in finiteness checks.
+    reduction: static: ``()``, or ``(axis_name, stats_sync)`` when the
+      statistics were reduced over a data-parallel axis; the consumer
+      checks that it expects the same reduction.
+  """
+  stacked: dict
+  params: Any
+  finite_marker: Any
+  reduction: tuple = ()
+
+  @property
+  def blocks(self) -> tuple:
+    """One block's statistics per layer, in collection order (read-only)."""
+    return grouping.layer_view(self.stacked)
+
+
+def reduction(axis_name, stats_sync) -> tuple:
+  """:attr:`Stats.reduction` for an estimator's ``axis_name`` and
+  ``stats_sync``."""
+  return () if axis_name is None else (axis_name, stats_sync)
+
+
+def make_stats(p: Pass, params, blocks, groups, *, params_stats: bool,
+               axis_name=None, stats_sync="every_update") -> Stats:
+  """The :class:`Stats` of a statistics pass: each group's statistics
+  computed stacked (:func:`grouping.group_stats`), checked for
+  finiteness, and averaged over ``axis_name`` as ``stats_sync`` says."""
+  with jax.named_scope("kfac_stats"):
+    stacked = grouping.group_stats(blocks, groups, p.layer_data)
+  mean_grads = ()
+  if params_stats:
+    batch_size = p.layer_data[0].batch_size if p.layer_data else 1
+    leaves = [jnp.sum(g, axis=0).astype(linalg.factor_dtype()) / batch_size
+              for g in p.param_grads_all]
+    mean_grads = jax.tree.unflatten(jax.tree.structure(params), leaves)
+  # Checked on the stacked groups (docs/performance.md#finite-marker).
+  marker = _xla_cpu.finite_marker((stacked, mean_grads))
+  if axis_name is not None:
+    # Generic blocks were reduced in the pass (psum of their gradients);
+    # the others are means over examples: average them unless deferred.
+    defer = stats_sync == "before_refresh"
+    avg = [None if (blocks[g[0]].needs_param_grads or defer) else s
+           for g, s in zip(groups, stacked)]
+    avg, mean_grads = lax.pmean((avg, mean_grads), axis_name)
+    stacked = [s if a is None else a for s, a in zip(stacked, avg)]
+  return Stats(stacked=dict(zip(map(grouping.group_name, groups), stacked)),
+               params=mean_grads, finite_marker=marker,
+               reduction=reduction(axis_name, stats_sync))
+
+
+def check_reduction(stats, axis_name, stats_sync):
+  """Raises unless ``stats`` is a :class:`Stats` reduced as an estimator
+  with ``axis_name`` and ``stats_sync`` expects."""
+  if not isinstance(stats, Stats):
+    raise TypeError(
+        "stats=... must be the Stats returned by value_grad_and_stats or "
+        f"FisherEstimator.compute_stats; got {type(stats).__name__}.")
+  want = reduction(axis_name, stats_sync)
+  if stats.reduction != want:
+    describe = lambda t: f"{t[0]!r}, {t[1]}" if t else "no axis"  # noqa: E731
+    raise ValueError(
+        f"stats=... were reduced for ({describe(stats.reduction)}) but this "
+        f"estimator has axis_name={axis_name!r}, stats_sync={stats_sync!r} "
+        f"({describe(want)}). Build value_grad_and_stats with the same "
+        "axis_name and stats_sync, or pass it estimator=... .")
