@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Callable, Mapping, NamedTuple, Optional
-import warnings
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import distributed
@@ -28,28 +25,15 @@ from kfac_jax_lite import statistics
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.grouping import EstimatorState
+from kfac_jax_lite.grouping import ProductInputs
 from kfac_jax_lite.statistics import canonical_mode
 from kfac_jax_lite.statistics import Linearized
 from kfac_jax_lite.statistics import MODES  # noqa: F401  (re-export)
 from kfac_jax_lite.statistics import Stats
-from kfac_jax_lite.statistics import stats_rows
+from kfac_jax_lite.statistics import stats_rows  # noqa: F401  (re-export)
 
 # MERGE: one state form. transform.py still names the grouped state so.
 GroupedState = EstimatorState
-
-
-class ProductInputs(NamedTuple):
-  """A params-shaped ``v`` as the blocks multiply it
-  (:meth:`FisherEstimator.product_inputs`)."""
-  leaves: list     # v's leaves
-  parts: list      # per layer: the layer's leaves
-  per_group: list  # per group of the state: the blocks' product inputs
-  rest: list       # v's leaves in no layer
-
-  def checked(self) -> tuple:
-    """Everything of ``v``, as the product reads it: the values to check
-    (e.g. for finiteness) instead of ``v``."""
-    return self.per_group, self.rest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +89,10 @@ class FisherEstimator:
       Under ``jax.jit`` with the batch sharded over devices (no
       ``axis_name``) the first ``m`` examples are on the first devices
       only: correct, but unevenly spread; with ``axis_name``
-      (``shard_map``/``pmap``) every replica takes its own first ``m``. Blocks built from summed parameter
-      gradients (``full``, ``diagonal`` over generic layers) always use
-      the whole batch; so do the gradient and the loss.
+      (``shard_map``/``pmap``) every replica takes its own first ``m``.
+      Blocks built from summed parameter gradients (``full``, ``diagonal``
+      over generic layers) always use the whole batch; so do the gradient
+      and the loss.
     stats_min_examples: the floor on ``m`` above (default 64).
     block_factories: optional mapping from ``(kind, approx)`` or a
       parameter-path prefix to a factory ``(layer, config) -> block``
@@ -274,10 +259,6 @@ class FisherEstimator:
         params_stats=self.compute_params_stats, axis_name=self.axis_name,
         stats_sync=self.stats_sync)
 
-  def _check_stats(self, stats) -> list:
-    statistics.check_reduction(stats, self.axis_name, self.stats_sync)
-    return self._stacked(stats, "stats")
-
   def compute_stats(self, params, batch, rng) -> Stats:
     """Minibatch statistics of every block (one forward pass, no gradient)."""
     return self.stats_from(self.linearize(params, batch), rng)
@@ -299,7 +280,8 @@ class FisherEstimator:
       if rng is None:
         rng = jax.random.PRNGKey(0)
       stats = self.compute_stats(params, batch, rng)
-    per_group = self._check_stats(stats)
+    statistics.check_reduction(stats, self.axis_name, self.stats_sync)
+    per_group = self._stacked(stats, "stats")
     decay = self.cov_ema_decay if ema_decay is None else ema_decay
     ema = lambda b, s, x: b.update_curvature(s, x, decay)  # noqa: E731
     with jax.named_scope("kfac_ema"):
@@ -366,26 +348,15 @@ class FisherEstimator:
     return state._replace(stacked=dict(zip(self._names, per_group)))
 
   # ---- products ----------------------------------------------------------
-  def _split(self, v, name="v"):
-    self.collection.check_params(v, name)
-    leaves = jax.tree.leaves(v)
-    return leaves, [tuple(leaves[i] for i in l.param_indices)
-                    for l in self.collection.layers]
-
-  def _merge(self, v, leaves, parts):
-    leaves = list(leaves)
-    for layer, part in zip(self.collection.layers, parts):
-      for i, x in zip(layer.param_indices, part):
-        leaves[i] = x
-    return jax.tree.unflatten(jax.tree.structure(v), leaves)
-
-  def _per_group(self, state, fn, parts) -> list:
+  def _per_group(self, state, fn, xs) -> list:
     """``fn(block, group_state, x)`` per group: one ``vmap`` over the
-    group's stack and its layers' ``parts`` (layer by layer when those
-    differ in shape); results stacked like the state."""
-    return [grouping.map_group(fn, self.blocks[g[0]], len(g), st,
-                               grouping.combine([parts[i] for i in g]))
-            for g, st in zip(self.groups, self._stacked(state))]
+    group's stack and its ``xs`` (:func:`grouping.combine` of its layers'
+    values); results stacked like the state."""
+    return [grouping.map_group(fn, self.blocks[g[0]], len(g), st, x)
+            for g, st, x in zip(self.groups, self._stacked(state), xs)]
+
+  def _combine(self, parts) -> list:
+    return [grouping.combine([parts[i] for i in g]) for g in self.groups]
 
   def _apply(self, state, v, fn: Callable, finish=None, inputs=None):
     """The params-shaped product: ``fn(block, state, x)`` per group, then
@@ -397,19 +368,17 @@ class FisherEstimator:
     of ``v``) replaces ``v``'s own per-layer tuples as what ``fn``
     multiplies."""
     if inputs is None:
-      leaves, parts = self._split(v)
-      out = self._per_group(state, fn, parts)
+      leaves, parts = grouping.split_params(self.collection, v)
+      xs = self._combine(parts)
     else:
-      leaves, parts = inputs.leaves, inputs.parts
-      out = [grouping.map_group(fn, self.blocks[g[0]], len(g), st, x)
-             for g, st, x in zip(self.groups, self._stacked(state),
-                                 inputs.per_group)]
+      leaves, parts, xs = inputs.leaves, inputs.parts, inputs.per_group
+    out = self._per_group(state, fn, xs)
     finish = finish or (lambda b, r, x: r)
     with jax.named_scope("kfac_merge"):
       out = grouping.per_layer(self.groups, out, len(self.blocks),
                                runtime_index=True)
-      return self._merge(v, leaves, [finish(b, r, x) for b, r, x in zip(
-          self.blocks, out, parts)])
+      return grouping.merge_params(self.collection, v, leaves, [
+          finish(b, r, x) for b, r, x in zip(self.blocks, out, parts)])
 
   def product_inputs(self, state, v, name: str = "v") -> ProductInputs:
     """``v`` (params-shaped) as :meth:`multiply_matpower` multiplies it:
@@ -424,9 +393,9 @@ class FisherEstimator:
     (docs/performance.md#product-inputs). ``name`` names ``v`` in the
     error raised when it does not match the parameters.
     """
-    leaves, parts = self._split(v, name)
+    leaves, parts = grouping.split_params(self.collection, v, name)
     per_group = self._per_group(state, lambda b, s, x: b.product_input(x),
-                                parts)
+                                self._combine(parts))
     used = {i for l in self.collection.layers for i in l.param_indices}
     rest = [x for i, x in enumerate(leaves) if i not in used]
     return ProductInputs(leaves, parts, per_group, rest)
@@ -463,32 +432,14 @@ class FisherEstimator:
 
   def full_fisher(self, state):
     """Undamped dense block-diagonal ``[P, P]``, ``ravel_pytree`` order."""
-    sizes = [int(math.prod(s)) for s in _leaf_shapes(self.collection)]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    total = sum(sizes)
-    out = jnp.zeros((total, total), linalg.factor_dtype())
-    for layer, b, s in zip(self.collection.layers, self.blocks,
-                           self.per_layer(state)):
-      idx = jnp.concatenate([jnp.arange(starts[i], starts[i] + sizes[i])
-                             for i in layer.param_indices])
-      out = out.at[idx[:, None], idx[None, :]].set(b.full_fisher_block(s))
-    return out
+    return grouping.dense_block_diagonal(self.collection, self.blocks,
+                                         self.per_layer(state))
 
   def params_stats(self, state):
     if not self.compute_params_stats:
       raise ValueError(
           "params_stats needs FisherEstimator(compute_params_stats=True).")
     return state.params_stats
-
-
-def _leaf_shapes(collection):
-  if collection.leaf_shapes:  # Includes leaves outside params_filter.
-    return list(collection.leaf_shapes)
-  shapes = [None] * len(collection.leaf_paths)
-  for layer in collection.layers:
-    for i, s in zip(layer.param_indices, layer.param_shapes):
-      shapes[i] = s
-  return shapes
 
 
 # ---------------------------------------------------------------------------

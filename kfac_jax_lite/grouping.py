@@ -11,6 +11,7 @@ has one eigendecomposition, inverse or EMA per *shape*, not per layer
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_lite import _xla_cpu
+from kfac_jax_lite import linalg
 
 
 class EstimatorState(NamedTuple):
@@ -92,11 +94,6 @@ def find_groups(blocks, states) -> tuple:
   return keyed_groups([group_key(b, s) for b, s in zip(blocks, states)])
 
 
-def selected(group, wanted) -> list:
-  """Positions in ``group`` of the layers in ``wanted`` (None: all)."""
-  return [j for j, i in enumerate(group) if wanted is None or i in wanted]
-
-
 class Part(NamedTuple):
   """Some layers of one group (:func:`select`)."""
   group: int          # the group's index
@@ -110,7 +107,7 @@ def select(groups, stacked: list, layers) -> list:
   wanted = None if layers is None else set(layers)
   out = []
   for k, (g, st) in enumerate(zip(groups, stacked)):
-    pos = selected(g, wanted)
+    pos = [j for j, i in enumerate(g) if wanted is None or i in wanted]
     if pos:
       idx = None if len(pos) == len(g) else np.asarray(pos)
       out.append(Part(k, idx, st if idx is None else jax.tree.map(
@@ -147,13 +144,6 @@ def unstack(tree, n, runtime_index=False) -> list:
   return [jax.tree.map(
       lambda x, j=j: jax.lax.dynamic_index_in_dim(x, j, keepdims=False),
       tree) for j in index]
-
-
-def members(x, n: int) -> list:
-  """The ``n`` per-layer values of a group's entry ``x``."""
-  if n == 1:
-    return [x]
-  return list(x.members) if isinstance(x, Unstacked) else unstack(x, n)
 
 
 def per_layer(groups, per_group, num_layers, runtime_index=False) -> list:
@@ -225,7 +215,8 @@ def group_stats(blocks, groups, layer_data) -> list:
     results = []
     for sub in subs:
       n = sizes[sub[0]]
-      fn = lambda d, b=b, n=n: b.compute_stats(d._replace(batch_size=n))  # noqa: E731
+      def fn(d, b=b, n=n):
+        return b.compute_stats(d._replace(batch_size=n))
       res = fn(data[sub[0]]) if len(sub) == 1 else jax.vmap(fn)(
           stack([data[j] for j in sub]))
       results.append(res)
@@ -235,3 +226,58 @@ def group_stats(blocks, groups, layer_data) -> list:
           parts[j] = r
     out.append(results[0] if len(subs) == 1 else combine(parts))
   return out
+
+
+class ProductInputs(NamedTuple):
+  """A params-shaped ``v`` as the blocks multiply it
+  (:meth:`FisherEstimator.product_inputs`)."""
+  leaves: list     # v's leaves
+  parts: list      # per layer: the layer's leaves
+  per_group: list  # per group of the state: the blocks' product inputs
+  rest: list       # v's leaves in no layer
+
+  def checked(self) -> tuple:
+    """Everything of ``v``, as the product reads it: the values to check
+    (e.g. for finiteness) instead of ``v``."""
+    return self.per_group, self.rest
+
+
+def split_params(collection, v, name="v"):
+  """``v``'s leaves, and per layer of ``collection`` the tuple of its
+  leaves (``v`` checked against the parameters, named ``name``)."""
+  collection.check_params(v, name)
+  leaves = jax.tree.leaves(v)
+  return leaves, [tuple(leaves[i] for i in l.param_indices)
+                  for l in collection.layers]
+
+def merge_params(collection, v, leaves, parts):
+  """``v``-shaped tree of ``leaves`` with each layer's ``parts`` put in."""
+  leaves = list(leaves)
+  for layer, part in zip(collection.layers, parts):
+    for i, x in zip(layer.param_indices, part):
+      leaves[i] = x
+  return jax.tree.unflatten(jax.tree.structure(v), leaves)
+
+
+def dense_block_diagonal(collection, blocks, states):
+  """The undamped dense ``[P, P]`` block-diagonal matrix of the layers'
+  ``full_fisher_block``, in ``ravel_pytree`` order of the parameters."""
+  sizes = [int(math.prod(s)) for s in _leaf_shapes(collection)]
+  starts = [sum(sizes[:i]) for i in range(len(sizes))]
+  total = sum(sizes)
+  out = jnp.zeros((total, total), linalg.factor_dtype())
+  for layer, b, s in zip(collection.layers, blocks, states):
+    idx = jnp.concatenate([jnp.arange(starts[i], starts[i] + sizes[i])
+                           for i in layer.param_indices])
+    out = out.at[idx[:, None], idx[None, :]].set(b.full_fisher_block(s))
+  return out
+
+
+def _leaf_shapes(collection):
+  if collection.leaf_shapes:  # Includes leaves outside params_filter.
+    return list(collection.leaf_shapes)
+  shapes = [None] * len(collection.leaf_paths)
+  for layer in collection.layers:
+    for i, s in zip(layer.param_indices, layer.param_shapes):
+      shapes[i] = s
+  return shapes

@@ -2,10 +2,8 @@
 
 K-FAC's sampled Fisher needs a fresh key per step, per loss, per sample
 and (data-parallel) per replica. ``jax.random.split``/``fold_in`` run
-threefry, which XLA:CPU compiles as a ``while`` loop of scalar kernels:
-the four derivations of a step were ~80 of the ~370 top-level HLO
-instructions of the MLP step in ``benchmarks/step_time.py``, each a kernel
-that XLA:CPU compiles separately. Here every derivation is a few integer
+threefry, which XLA:CPU compiles as a ``while`` loop of scalar kernels
+(docs/performance.md#hashed-keys). Here every derivation is a few integer
 multiplies and shifts on a handful of ``uint32`` words (one small fused
 kernel), and the draws themselves (:func:`random_bits`) hash a counter
 with the key, elementwise, inside the kernel that consumes them.
@@ -36,8 +34,8 @@ def _u32(x):
 
 
 # The hash is written with lax's integer primitives and numpy scalar
-# operands (no dtype promotion or broadcasting to resolve): each jnp
-# operator adds its own dispatch, and a step traces ~150 of these ops.
+# operands: no dtype promotion or broadcasting to resolve at trace time
+# (docs/performance.md#hashed-keys).
 _xor, _mul, _add = lax.bitwise_xor, lax.mul, lax.add
 
 
@@ -108,8 +106,8 @@ def random_bits(key, shape) -> jnp.ndarray:
   Each ``h_j`` is a bijection, so the elements of one draw never collide,
   and every bit of every element depends on every key bit. It is
   elementwise integer arithmetic: XLA fuses it into the kernel that uses
-  the draw (XLA's ``RngBitGenerator`` was a separate kernel, 5 ms per step
-  for the autoencoder's 500 x 784 Bernoulli targets on a 2-core CPU).
+  the draw, where ``RngBitGenerator`` is a kernel of its own
+  (docs/performance.md#hashed-keys).
   """
   return _absorb(jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape),
                  key_words(key))

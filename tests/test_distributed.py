@@ -344,11 +344,16 @@ def test_distributed_inverses_match_local(problem, mesh, mapping, kwargs):
 def test_plan_spreads_the_refresh_over_devices(problem):
   _, _, c = problem
   est = kl.FisherEstimator(c)
-  states = est.init(problem[0]).blocks
-  groups = [[0], [1], [2, 3], [4]]  # layer0, scale, (layer1, layer2), layer3
-  units, owners = distributed.plan(states, groups, R)
-  assert sorted(i for u in units for i in u) == [0, 1, 2, 3, 4]
-  assert (2,) in units and (3,) in units  # The group is split.
+  # layer0, scale, (layer1, layer2), layer3: groups of one member each but
+  # the third, of two.
+  assert est.groups == ((0,), (1,), (2, 3), (4,))
+  members = [est.blocks[g[0]].init() for g in est.groups]
+  units, owners = distributed.plan(
+      [distributed.refresh_cost(m) for m in members],
+      [len(g) for g in est.groups], R)
+  assert sorted(est.groups[k][j] for k, u in units for j in u) == [
+      0, 1, 2, 3, 4]
+  assert (2, (0,)) in units and (2, (1,)) in units  # The group is split.
   assert len(set(owners)) == R
   # Equal costs: round robin; unequal: longest first, least loaded.
   assert distributed.assign([1.0] * 6, 4) == (0, 1, 2, 3, 0, 1)

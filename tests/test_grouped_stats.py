@@ -8,6 +8,8 @@ only that layer's factors as they were, and that the number of statistics
 ``dot_general``s does not grow with the number of same-shaped layers.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +17,10 @@ import optax
 import pytest
 
 import kfac_jax_lite as kl
-from kfac_jax_lite import estimator as estimator_lib
+from kfac_jax_lite import _xla_cpu
+from kfac_jax_lite import grouping
 from kfac_jax_lite import keys
+from kfac_jax_lite import statistics
 from tests import helpers
 
 # 8 -> 6 (different), three identical 6 -> 6 layers, 6 -> 3 (different).
@@ -39,7 +43,7 @@ def _estimator(sizes=SIZES, **kwargs):
 def _per_layer_stats(est, params, batch, rng):
   """Each block's compute_stats on its own LayerData (no grouping)."""
   lin = est.linearize(params, batch)
-  p = estimator_lib._statistics_pass(  # pylint: disable=protected-access
+  p = statistics.statistics_pass(
       lin, est.blocks, rng, est.estimation_mode, est.num_samples, False)
   return tuple(b.compute_stats(d) for b, d in zip(est.blocks, p.layer_data))
 
@@ -52,12 +56,38 @@ def _some_state(est, params, batch):
   return est.update_cache(state)
 
 
+def _per_layer_product(est, states, v):
+  """Each block's inverse product on its own layer's parameters."""
+  leaves = jax.tree.leaves(v)
+  for layer, b, s in zip(est.collection.layers, est.blocks, states):
+    out = b.multiply_inverse(s, tuple(leaves[i] for i in layer.param_indices))
+    for i, x in zip(layer.param_indices, out):
+      leaves[i] = x
+  return jax.tree.unflatten(jax.tree.structure(v), leaves)
+
+
+def _set_nan(est, stats, layer):
+  """``stats`` with one entry of ``layer``'s A statistic set to NaN."""
+  k = next(k for k, g in enumerate(est.groups) if layer in g)
+  name, st = list(stats.stacked.items())[k]
+  at = (0, 1) if len(est.groups[k]) == 1 else (
+      est.groups[k].index(layer), 0, 1)
+  stacked = dict(stats.stacked)
+  stacked[name] = dict(st, a=st["a"].at[at].set(jnp.nan))
+  return dataclasses.replace(stats, stacked=stacked)
+
+
 def test_layers_are_grouped():
   est, params, _ = _estimator()
   state = est.init(params)
-  groups = sorted(sorted(g) for g in estimator_lib._groups(  # pylint: disable=protected-access
-      est.blocks, state.blocks))
+  groups = sorted(sorted(g) for g in grouping.find_groups(
+      est.blocks, est.per_layer(state)))
   assert groups == [[0], [1, 2, 3], [4]]
+  assert sorted(est.groups) == [(0,), (1, 2, 3), (4,)]
+  assert list(state.stacked) == [grouping.group_name(g) for g in est.groups]
+  # The per-layer view of the state is each block's own initial state.
+  for b, s in zip(est.blocks, est.per_layer(state)):
+    helpers.assert_trees_close(s, b.init(), 0.0)
 
 
 def test_grouped_statistics_equal_per_layer_statistics():
@@ -66,8 +96,9 @@ def test_grouped_statistics_equal_per_layer_statistics():
   got = jax.jit(lambda p, b: est.compute_stats(p, b, rng))(params, batch)
   want = jax.jit(lambda p, b: _per_layer_stats(est, p, b, rng))(params,
                                                                 batch)
-  assert len(got["blocks"]) == len(want) == 5
-  for g, w in zip(got["blocks"], want):
+  assert list(got.stacked) == list(est.init(params).stacked)
+  assert len(got.blocks) == len(want) == 5
+  for g, w in zip(got.blocks, want):
     assert jax.tree.structure(g) == jax.tree.structure(w)
     for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
@@ -75,28 +106,20 @@ def test_grouped_statistics_equal_per_layer_statistics():
 
 def _per_layer_ema(est, state, stats, decay):
   return tuple(b.update_curvature(s, st, decay) for b, s, st in zip(
-      est.blocks, state.blocks, stats["blocks"]))
+      est.blocks, state.blocks, stats.blocks))
 
 
 @pytest.mark.parametrize("nan_layer", [None, 2, 0])
-@pytest.mark.parametrize("grouped_state", [False, True])
-def test_grouped_ema_equals_per_layer_ema(nan_layer, grouped_state):
+def test_grouped_ema_equals_per_layer_ema(nan_layer):
   est, params, batch = _estimator()
   state = _some_state(est, params, batch)
   stats = est.compute_stats(params, batch, jax.random.PRNGKey(7))
   if nan_layer is not None:
-    blocks = list(stats["blocks"])
-    blocks[nan_layer] = dict(blocks[nan_layer])
-    blocks[nan_layer]["a"] = blocks[nan_layer]["a"].at[0, 1].set(jnp.nan)
-    stats = dict(stats, blocks=tuple(blocks))
+    stats = _set_nan(est, stats, nan_layer)
+    assert np.isnan(stats.blocks[nan_layer]["a"][0, 1])
 
-  def grouped(state, stats):
-    if grouped_state:
-      return est.ungroup_state(est.update_curvature(
-          est.group_state(state), stats=stats, ema_decay=0.9))
-    return est.update_curvature(state, stats=stats, ema_decay=0.9)
-
-  got = jax.jit(grouped)(state, stats).blocks
+  got = jax.jit(lambda s, st: est.update_curvature(
+      s, stats=st, ema_decay=0.9))(state, stats).blocks
   want = jax.jit(lambda s, st: _per_layer_ema(est, s, st, 0.9))(state, stats)
   for i, (g, w, old) in enumerate(zip(got, want, state.blocks)):
     for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
@@ -116,19 +139,19 @@ def test_grouped_state_refresh_and_products_equal_per_layer(layers):
   est, params, batch = _estimator()
   state = est.init(params)
   state = est.update_curvature(state, params, batch, jax.random.PRNGKey(0))
-  want = est.update_cache(state, 1e-2, layers)
-  got = est.ungroup_state(est.update_cache(est.group_state(state), 1e-2,
-                                           layers))
-  for i, (g, w) in enumerate(zip(got.blocks, want.blocks)):
+  damping = jnp.asarray(1e-2, jnp.float32)
+  want = [b.update_cache(s, damping) if layers is None or i in layers else s
+          for i, (b, s) in enumerate(zip(est.blocks, state.blocks))]
+  got = est.update_cache(state, 1e-2, layers)
+  for i, (g, w) in enumerate(zip(got.blocks, want)):
     for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
     if layers is not None and i not in layers:
       for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(state.blocks[i])):
         np.testing.assert_array_equal(x, y)
   grads = jax.grad(helpers.classifier_loss)(params, batch)
-  helpers.assert_trees_close(
-      est.multiply_inverse(est.group_state(want), grads),
-      est.multiply_inverse(want, grads), 1e-5)
+  helpers.assert_trees_close(est.multiply_inverse(got, grads),
+                             _per_layer_product(est, want, grads), 1e-5)
 
 
 def test_transform_step_matches_ungrouped_reference():
@@ -139,20 +162,18 @@ def test_transform_step_matches_ungrouped_reference():
   tx = kl.scale_by_kfac(collection, damping=1e-2, inverse_update_period=1)
   state = tx.init(params)
   est = kl.FisherEstimator(collection, damping=1e-2, cov_ema_decay=0.95)
-  ref = est.init(params)
+  ref = est.per_layer(est.init(params))
   for _ in range(2):
     grads = jax.grad(loss_fn)(params, batch)
     key = keys.step_keys(state.rng)[0]
     direction, state = jax.jit(
         lambda g, s: tx.update(g, s, params, batch=batch))(grads, state)
     stats = _per_layer_stats(est, params, batch, key)
-    ref = ref._replace(blocks=tuple(
-        b.update_curvature(s, st, 0.95) for b, s, st in zip(
-            est.blocks, ref.blocks, stats)))
-    ref = ref._replace(blocks=tuple(
-        b.update_cache(s, 1e-2) for b, s in zip(est.blocks, ref.blocks)))
-    helpers.assert_trees_close(direction, est.multiply_inverse(ref, grads),
-                               1e-4)
+    ref = [b.update_curvature(s, st, 0.95)
+           for b, s, st in zip(est.blocks, ref, stats)]
+    ref = [b.update_cache(s, 1e-2) for b, s in zip(est.blocks, ref)]
+    helpers.assert_trees_close(direction,
+                               _per_layer_product(est, ref, grads), 1e-4)
 
 
 def test_statistics_dots_do_not_grow_with_same_shaped_layers():
@@ -190,13 +211,13 @@ def test_transform_state_stays_stacked():
   tx = kl.kfac(0.1, collection, damping=1e-2, inverse_update_period=1)
   state = tx.init(params)
   est_state = state.inner[0].estimator
-  assert isinstance(est_state, estimator_lib.GroupedState)
+  assert isinstance(est_state, kl.EstimatorState)
   assert sorted(est_state.groups) == [(0,), (1, 2, 3), (4,)]
   grads = jax.grad(loss_fn)(params, batch)
   _, state = jax.jit(lambda g, s: tx.update(g, s, params, batch=batch))(
       grads, state)
   est_state = state.inner[0].estimator
-  assert isinstance(est_state, estimator_lib.GroupedState)
+  assert isinstance(est_state, kl.EstimatorState)
   stacked = est_state.stacked["1,2,3"]
   assert stacked.a.shape == (3, 7, 7) and stacked.g.shape == (3, 6, 6)
   view = est_state.blocks
@@ -224,13 +245,12 @@ def test_transform_state_stays_stacked():
       return tx.update(grads, state, params, stats=stats)
 
     jaxpr = jax.make_jaxpr(step)(params, tx.init(params), batch)
-    # The statistics are split per layer (stats["blocks"]) and stacked
-    # again; XLA cancels that pair. Nothing else is split per layer
-    # (the direction is cut per parameter by the estimator's merge, where
-    # the slices fuse with the momentum update; not counted).
+    # Nothing is split per layer, the statistics included (they are
+    # computed per group, as the state holds them); the direction is cut
+    # per parameter by the estimator's merge, where the slices fuse with
+    # the momentum update (not counted).
     counts.append(helpers.count_primitive(
-        jaxpr.jaxpr, "slice", outside=("kfac_stats", "kfac_merge"),
-        not_into=("cond",)))
+        jaxpr.jaxpr, "slice", outside=("kfac_merge",), not_into=("cond",)))
   assert counts[0] == counts[1], counts
 
 
@@ -238,26 +258,25 @@ def test_finite_marker_stands_for_the_statistics():
   est, params, batch = _estimator()
   stats = jax.jit(lambda p: est.compute_stats(p, batch, jax.random.PRNGKey(
       0)))(params)
-  assert float(stats["finite_marker"]) == 0.0
+  assert float(stats.finite_marker) == 0.0
   # A NaN weight in a layer of the stacked group: statistics of the group,
   # hence the marker, are NaN.
   bad = jax.tree.map(lambda x: x, params)
   bad["layer2"]["w"] = bad["layer2"]["w"].at[0, 0].set(jnp.nan)
   bad_stats = est.compute_stats(bad, batch, jax.random.PRNGKey(0))
   assert not all(np.all(np.isfinite(x))
-                 for x in jax.tree.leaves(bad_stats["blocks"][1:4]))
-  assert np.isnan(bad_stats["finite_marker"])
+                 for x in jax.tree.leaves(bad_stats.blocks[1:4]))
+  assert np.isnan(bad_stats.finite_marker)
   grads = jax.grad(helpers.classifier_loss)(params, batch)
   from kfac_jax_lite import transform  # pylint: disable=import-outside-toplevel
   assert bool(transform.inputs_finite(grads, stats))
   assert not bool(transform.inputs_finite(grads, bad_stats))
   # The marker of an average of statistics is the average of the markers.
-  mean = jax.tree.map(lambda x, y: (x + y) / 2,
-                      dict(stats, averaged_over=()),
-                      dict(bad_stats, averaged_over=()))
+  mean = jax.tree.map(lambda x, y: (x + y) / 2, stats, bad_stats)
+  assert isinstance(mean, kl.Stats) and np.isnan(mean.finite_marker)
   assert not bool(transform.inputs_finite(grads, mean))
   # Stats without a marker are checked leaf by leaf.
-  bare = {k: v for k, v in bad_stats.items() if k != "finite_marker"}
+  bare = bad_stats.stacked
   assert not bool(transform.inputs_finite(grads, bare))
   # The check reads the marker, not every layer's statistics.
   jaxpr = jax.make_jaxpr(transform.inputs_finite)(grads, stats)
@@ -267,18 +286,17 @@ def test_finite_marker_stands_for_the_statistics():
 
 @pytest.mark.parametrize("first", [0.0, 1.0])
 def test_opaque_indices_are_exact(first):
-  from kfac_jax_lite import linalg  # pylint: disable=import-outside-toplevel
   like = jnp.full((2, 3), first)
-  got = jax.jit(lambda x: linalg.opaque_indices(4, x))(like)
+  got = jax.jit(lambda x: _xla_cpu.opaque_indices(4, x))(like)
   assert [int(i) for i in got] == [0, 1, 2, 3]
-  empty = jax.jit(lambda x: linalg.opaque_indices(2, x))(jnp.zeros((0, 3)))
+  empty = jax.jit(lambda x: _xla_cpu.opaque_indices(2, x))(jnp.zeros((0, 3)))
   assert [int(i) for i in empty] == [0, 1]
 
 
 def test_split_at_runtime_indices_equals_static_split():
   tree = {"a": jnp.arange(24.0).reshape(4, 3, 2), "b": jnp.arange(4.0)}
-  static = estimator_lib._unstack_group(tree, 4)  # pylint: disable=protected-access
-  fn = lambda t: estimator_lib._unstack_group(t, 4, runtime_index=True)  # pylint: disable=protected-access  # noqa: E731
+  static = grouping.unstack(tree, 4)
+  fn = lambda t: grouping.unstack(t, 4, runtime_index=True)  # noqa: E731
   for g, w in zip(jax.jit(fn)(tree), static):
     helpers.assert_trees_close(g, w, 0.0)
   jaxpr = jax.make_jaxpr(fn)(tree).jaxpr

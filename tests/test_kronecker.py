@@ -109,10 +109,10 @@ def test_zero_debiased_ema():
   stats = [est.compute_stats(params, (batch[0] * k, batch[1]), None)
            for k in (1.0, 2.0)]
   s = est.update_curvature(est.init(params), stats=stats[0])
-  np.testing.assert_allclose(s.blocks[0].a, stats[0]["blocks"][0]["a"])
+  np.testing.assert_allclose(s.blocks[0].a, stats[0].blocks[0]["a"])
   s = est.update_curvature(s, stats=stats[1])
   # (0.5 * 1 * x1 + x2) / (0.5 + 1)
-  want = (0.5 * stats[0]["blocks"][0]["a"] + stats[1]["blocks"][0]["a"]) / 1.5
+  want = (0.5 * stats[0].blocks[0]["a"] + stats[1].blocks[0]["a"]) / 1.5
   np.testing.assert_allclose(s.blocks[0].a, want, rtol=1e-12)
 
 

@@ -2,7 +2,7 @@
 
 jaxlib's batched CPU LAPACK kernels share XLA's thread pool; two of them at
 once deadlocked the inverse refresh of models with same-shaped layers on a
-2-core machine (see ``linalg.sequential_under_vmap``). The refresh of a
+2-core machine (see ``_xla_cpu.sequential_under_vmap``). The refresh of a
 group of same-shaped blocks must therefore lower to unbatched LAPACK calls
 (inside one loop) and still give the per-layer results.
 """
@@ -56,7 +56,7 @@ def test_a_groups_inverses_are_one_loop_per_factor_shape():
   batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, 5, 3)
   est = kl.FisherEstimator(kl.scan(helpers.classifier_loss, params, batch),
                            damping=1e-2)
-  state = est.group_state(est.init(params))
+  state = est.init(params)
   text = jax.jit(est.update_cache).lower(state).as_text()
   assert text.count("stablehlo.while") == 2, text.count("stablehlo.while")
 

@@ -1,7 +1,7 @@
 """The inverse refresh pads Kronecker factors of nearby sizes to one size.
 
 ``FisherEstimator.update_cache`` refreshes the dense factors of "pi"-damped
-Kronecker blocks through :func:`linalg.bucketed_map`: each factor is padded
+Kronecker blocks through :func:`refresh.bucketed_map`: each factor is padded
 with an identity block to its bucket's size (exact for matrix functions of
 a block-diagonal matrix), so XLA:CPU compiles one set of factorisation
 kernels per bucket instead of one per factor size.
@@ -16,6 +16,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from kfac_jax_lite import linalg
+from kfac_jax_lite import refresh
 from tests import helpers
 
 # Input factors 9, 10, 11 (with bias) and output factors 9, 10, 3.
@@ -62,7 +63,7 @@ def test_padding_with_identity_is_exact_for_matrix_functions():
   m = m @ m.T
   fn = lambda x, d: linalg.damped_factor_cache(  # noqa: E731
       x, d, (-1.0, -0.5), True, True)
-  (padded,) = linalg.bucketed_map(fn, [m], [0.1])
+  (padded,) = refresh.bucketed_map(fn, [m], [0.1])
   direct = fn(m, 0.1)
   # [[m, 0], [0, I]], as bucketed_map pads a 7x7 factor in a 9x9 bucket.
   p = jnp.pad(m, ((0, 2), (0, 2))) + jnp.diag(jnp.arange(9) >= 7)
@@ -79,7 +80,7 @@ def test_padding_with_identity_is_exact_for_matrix_functions():
 def test_bucketing_rule_never_merges_distant_sizes():
   ae = [785, 1001, 501, 251, 31, 251, 501, 1001, 1000, 500, 250, 30, 250,
         500, 1000, 784]
-  buckets = linalg.size_buckets(ae)
+  buckets = refresh.size_buckets(ae)
   assert sorted(n for n, _ in buckets) == [31, 251, 501, 785, 1001]
   for size, idx in buckets:
     for i in idx:
@@ -89,12 +90,12 @@ def test_bucketing_rule_never_merges_distant_sizes():
   # 30 never joins 250 or 1000; 3 never joins 9; 784 never joins 1000.
   for sizes in ([30, 1000], [30, 250], [3, 9, 10, 11], [784, 1000],
                 [1, 2, 4, 8, 16, 32]):
-    for size, idx in linalg.size_buckets(sizes):
+    for size, idx in refresh.size_buckets(sizes):
       for i in idx:
         assert size - sizes[i] <= max(1, sizes[i] // 16), (sizes, size)
-  assert len(linalg.size_buckets([30, 1000])) == 2
-  assert len(linalg.size_buckets([3, 9, 10, 11])) == 3   # {3}, {9}, {10, 11}
-  assert linalg.size_buckets([100, 94, 93]) == [(100, [0]), (94, [1, 2])]
+  assert len(refresh.size_buckets([30, 1000])) == 2
+  assert len(refresh.size_buckets([3, 9, 10, 11])) == 3   # {3}, {9}, {10, 11}
+  assert refresh.size_buckets([100, 94, 93]) == [(100, [0]), (94, [1, 2])]
 
 
 def _lapack_calls(text):
@@ -207,17 +208,16 @@ def test_padded_sizes_reproduce_a_factors_bucket_alone():
   factors (what each device does under ``distributed_inverses``) goes
   through the same padded computation: the same caches as in the larger
   refresh, where its own buckets (no padding) round differently."""
-  from kfac_jax_lite import estimator as estimator_lib  # pylint: disable=import-outside-toplevel
   est, state = _estimator_and_state(exps=(-1, -0.5))
   blocks, states = list(est.blocks), list(state.blocks)
-  sizes = estimator_lib._bucket_sizes(blocks, states)  # pylint: disable=protected-access
+  sizes = refresh.bucket_sizes(blocks, states)
   assert sizes[1, "a"] == 11 and states[1].a.shape == (10, 10)
-  full = jax.jit(lambda s: estimator_lib._bucketed_update_cache(  # pylint: disable=protected-access
+  full = jax.jit(lambda s: refresh.bucketed_update_cache(
       blocks, s, DAMPING))(states)
   for i in range(len(blocks)):
     mine = {(0, n): size for (k, n), size in sizes.items() if k == i}
     alone = jax.jit(lambda s, i=i, mine=mine: (
-        estimator_lib._bucketed_update_cache(  # pylint: disable=protected-access
+        refresh.bucketed_update_cache(
             [blocks[i]], [s], DAMPING, mine)[0]))(states[i])
     for k in full[i].cache:   # Bit for bit (unpadded: 1.1e-7 apart).
       np.testing.assert_array_equal(alone.cache[k], full[i].cache[k])

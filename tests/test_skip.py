@@ -243,17 +243,19 @@ def test_kfac_reads_each_gradient_leaf_once(problem):
     assert len(readers) == 1, readers
 
 
-def test_product_inputs_need_a_grouped_state(problem):
-  """``multiply_matpower(..., inputs=)`` multiplies stacked groups: a
-  per-layer state is refused with the type it got and the fix."""
+def test_product_inputs_equal_the_plain_product(problem):
+  """``multiply_matpower(..., inputs=)`` multiplies the stacked groups'
+  inputs; a state of another estimator is refused with the fix."""
   params, batches, c, vgs = problem
   est = kl.FisherEstimator(c, damping=1e-2)
   _, grads, _ = vgs(params, batches[0], jax.random.PRNGKey(0))
   state = est.init(params)
   inputs = est.product_inputs(state, grads)
-  with pytest.raises(ValueError, match="type EstimatorState.*group_state"):
-    est.multiply_matpower(state, grads, -1, inputs=inputs)
-  grouped = est.update_cache(est.group_state(state))
+  wrong = state._replace(stacked={"99": state.stacked[next(iter(
+      state.stacked))]})
+  with pytest.raises(ValueError, match="does not match this estimator"):
+    est.multiply_matpower(wrong, grads, -1, inputs=inputs)
+  grouped = est.update_cache(state)
   helpers.assert_trees_close(
       est.multiply_matpower(grouped, grads, -1, inputs=inputs),
       est.multiply_matpower(grouped, grads, -1), rtol=1e-6)

@@ -34,8 +34,8 @@ def test_row_statistics_are_those_of_the_first_examples(fraction, rows):
   head = jax.tree.map(lambda x: x[:rows], batch)
   _, _, want = _stats(collection, params, head, 1.0)
   _, full_grads, full = _stats(collection, params, batch, 1.0)
-  for got, ref, every in zip(stats["blocks"], want["blocks"],
-                             full["blocks"]):
+  for got, ref, every in zip(stats.blocks, want.blocks,
+                             full.blocks):
     for k in ("a", "g"):
       np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
       # The subset differs from the whole batch (else this test is void).
@@ -67,14 +67,14 @@ def test_parameter_gradient_blocks_use_the_whole_batch():
   head = jax.tree.map(lambda x: x[:2], batch)
   _, _, head_stats = _stats(collection, params, head, 1.0)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
-               sub["blocks"][generic], full["blocks"][generic])
+               sub.blocks[generic], full.blocks[generic])
   assert not all(np.allclose(a, b) for a, b in zip(
-      jax.tree.leaves(full["blocks"][generic]),
-      jax.tree.leaves(head_stats["blocks"][generic])))
+      jax.tree.leaves(full.blocks[generic]),
+      jax.tree.leaves(head_stats.blocks[generic])))
   dense = [i for i, k in enumerate(kinds) if k != "generic"]
   for i in dense:  # ... while the row statistics use the first 2 examples.
-    np.testing.assert_allclose(sub["blocks"][i]["a"],
-                               head_stats["blocks"][i]["a"], rtol=1e-5,
+    np.testing.assert_allclose(sub.blocks[i]["a"],
+                               head_stats.blocks[i]["a"], rtol=1e-5,
                                atol=1e-6)
 
 
@@ -109,7 +109,7 @@ def test_small_batches_keep_every_example_by_default():
       collection.loss_fn, collection, estimation_mode="exact", **kw)(
           params, batch, jax.random.PRNGKey(0))[2]
   jax.tree.map(np.testing.assert_array_equal,
-               vgs(stats_fraction=0.25)["blocks"], vgs()["blocks"])
+               vgs(stats_fraction=0.25).blocks, vgs().blocks)
   est = kl.FisherEstimator(collection, stats_fraction=0.25)
   lin = est.linearize(params, batch)
   assert est.linearize_head(params, batch, lin) is lin
@@ -133,7 +133,7 @@ def test_transforms_pass_the_fraction_to_their_estimator():
             if isinstance(x, kl.transform.CurvatureState)][0]
     head = jax.tree.map(lambda x: x[:4], batch)
     _, _, want = _stats(collection, params, head, 1.0)
-    for got, ref in zip(curv.estimator.blocks, want["blocks"]):
+    for got, ref in zip(curv.estimator.blocks, want.blocks):
       np.testing.assert_allclose(got.a, ref["a"], rtol=1e-5, atol=1e-6)
 
 
@@ -151,7 +151,7 @@ def _assert_rows_match(collection, params, batch, head, fraction):
   _, _, sub = _stats(collection, params, batch, fraction)
   _, _, want = _stats(collection, params, head, 1.0)
   _, _, full = _stats(collection, params, batch, 1.0)
-  for got, ref, every in zip(sub["blocks"], want["blocks"], full["blocks"]):
+  for got, ref, every in zip(sub.blocks, want.blocks, full.blocks):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-5, atol=1e-6), got, ref)
     # The factors of the subset differ from the whole batch's.
@@ -210,7 +210,7 @@ def test_optimizer_fisher_products_come_from_the_head_of_the_batch():
                              stats_min_examples=1, estimation_mode="exact")
   stats = exact.stats_from(exact.linearize_head(params, batch, lin), rng)
   ref = exact.stats_from(exact.linearize(params, batch), rng)
-  np.testing.assert_allclose(stats["blocks"][0]["a"], ref["blocks"][0]["a"],
+  np.testing.assert_allclose(stats.blocks[0]["a"], ref.blocks[0]["a"],
                              rtol=1e-5, atol=1e-6)
   # Without stats_fraction there is no second forward pass.
   assert kl.FisherEstimator(collection).linearize_head(params, batch,
@@ -257,7 +257,7 @@ def test_kfac_optimizer_uses_a_quarter_of_large_batches_by_default():
   _, _, want = _stats(collection, params, head, 1.0)
   _, _, every = _stats(collection, params, batch, 1.0)
   got = state.curvature.estimator.blocks
-  for g, w, e in zip(got, want["blocks"], every["blocks"]):
+  for g, w, e in zip(got, want.blocks, every.blocks):
     np.testing.assert_allclose(g.a, w["a"], rtol=1e-5, atol=1e-6)
     assert not np.allclose(g.a, e["a"], rtol=1e-3, atol=1e-5)
   # kfac keeps every example unless asked (its stats= may come from the
@@ -266,5 +266,5 @@ def test_kfac_optimizer_uses_a_quarter_of_large_batches_by_default():
   _, state = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))(
       params, tx.init(params), params, batch)
   curv = state.inner[0]
-  for g, e in zip(curv.estimator.blocks, every["blocks"]):
+  for g, e in zip(curv.estimator.blocks, every.blocks):
     np.testing.assert_allclose(g.a, e["a"], rtol=1e-5, atol=1e-6)
