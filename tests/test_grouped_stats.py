@@ -18,6 +18,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from kfac_jax_lite import _xla_cpu
+from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import grouping
 from kfac_jax_lite import keys
 from kfac_jax_lite import statistics
@@ -305,3 +306,60 @@ def test_split_at_runtime_indices_equals_static_split():
   assert helpers.count_primitive(jaxpr, "slice") == 1
   # Each index is an output of one conditional, not a literal.
   assert helpers.count_primitive(jaxpr, "cond") == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeanBlock:
+  """A block whose statistics' shape follows its inputs' (``per_row``) or
+  not: enough to drive the grouping of statistics."""
+  per_row: bool
+  layer: object = None
+
+  def compute_stats(self, data):
+    x = data.inputs[0][0]
+    return {"m": jnp.mean(x, 0) if self.per_row else jnp.mean(x)}
+
+
+def _data(width, fill):
+  return blocks_lib.LayerData(inputs=((jnp.full((4, width), fill),),),
+                              grads=(), params=(), param_grads=(),
+                              batch_size=4)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_group_statistics_over_different_data_shapes(per_row):
+  """Layers of one group whose data differ in shape are computed per data
+  shape, then stacked in the group's order when their statistics agree in
+  shape, else kept per layer (``Unstacked``) and folded in layer by
+  layer."""
+  b = _MeanBlock(per_row)
+  data = [_data(3, 1.0), _data(5, 2.0), _data(3, 3.0)]
+  (got,) = grouping.group_stats([b] * 3, ((0, 1, 2),), data)
+  want = [b.compute_stats(d) for d in data]
+  if per_row:
+    assert isinstance(got, grouping.Unstacked)
+    for g, w in zip(got.members, want):
+      helpers.assert_trees_close(g, w, 0.0)
+    state = jnp.zeros((3,))
+    new = grouping.map_group(lambda _, s, x: s + jnp.sum(x["m"]), b, 3,
+                             state, got)
+    np.testing.assert_array_equal(new, [3.0, 10.0, 9.0])
+  else:
+    np.testing.assert_array_equal(got["m"], [1.0, 2.0, 3.0])
+
+
+def test_statistics_of_another_estimator_are_refused():
+  est, params, batch = _estimator()
+  stats = est.compute_stats(params, batch, jax.random.PRNGKey(0))
+  state = est.init(params)
+  other, p2, b2 = _estimator([8, 6, 6, 3])
+  with pytest.raises(ValueError, match="does not match this estimator"):
+    est.update_curvature(state, stats=other.compute_stats(
+        p2, b2, jax.random.PRNGKey(0)))
+  with pytest.raises(TypeError, match="must be the Stats"):
+    est.update_curvature(state, stats=stats.stacked)
+  reduced = dataclasses.replace(stats, reduction=("d", "every_update"))
+  with pytest.raises(ValueError, match="were reduced for"):
+    est.update_curvature(state, stats=reduced)
+  for a, b in zip(est.per_layer(stats), stats.blocks, strict=True):
+    helpers.assert_trees_close(a, b, 0.0)
