@@ -58,11 +58,6 @@ from kfac_jax_lite import keys as keys_lib
 
 STATS_SYNCS = ("every_update", "before_refresh")
 
-# State fields that are not EMA'd statistics (the fallback when a block
-# does not name its ``factor_fields``).
-_NOT_FACTORS = ("weight", "damping", "cache")
-
-
 def axis_size(axis_name: Hashable, argument: str = "axis_name") -> int:
   """The number of replicas along ``axis_name`` (static).
 
@@ -125,22 +120,6 @@ def replica_key(key, axis_name: Hashable):
   return keys_lib.derive(key, lax.axis_index(axis_name))
 
 
-def factor_fields(block, state) -> tuple:
-  """Names of the state fields holding EMA'd statistics.
-
-  A block (or the block a ``StackedBlock`` wraps) may name them with a
-  ``factor_fields`` attribute; otherwise every field except ``weight``,
-  ``damping`` and ``cache``.
-  """
-  b = block
-  while b is not None:
-    names = getattr(b, "factor_fields", None)
-    if names is not None:
-      return tuple(names)
-    b = getattr(b, "inner", None)
-  return tuple(f for f in state._fields if f not in _NOT_FACTORS)
-
-
 def average_factors(blocks: Sequence, states: Sequence, axis_name) -> list:
   """``pmean`` of the factor fields of every block (one all-reduce).
 
@@ -149,11 +128,12 @@ def average_factors(blocks: Sequence, states: Sequence, axis_name) -> list:
   update.
   """
   axis_size(axis_name)
-  picked = [{} if b.needs_param_grads else
-            {k: getattr(s, k) for k in factor_fields(b, s)}
+  # MERGE: the blocks declare their factors (blocks.base.Block.factors).
+  picked = [None if b.needs_param_grads else b.factors(s)
             for b, s in zip(blocks, states)]
   picked = lax.pmean(picked, axis_name)
-  return [s._replace(**p) for s, p in zip(states, picked)]
+  return [s if p is None else b.with_factors(s, p)
+          for b, s, p in zip(blocks, states, picked)]
 
 
 def refresh_cost(state) -> float:

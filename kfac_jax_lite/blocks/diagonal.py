@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import per_example
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 class DiagonalState(NamedTuple):
@@ -35,12 +35,13 @@ class DiagonalState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class DiagonalBlock(base.Block):
+class DiagonalBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
   """Diagonal Fisher block from a source of per-example gradients."""
   layer: Layer
   config: base.BlockConfig
   source: Any
   param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
+  factor_fields = ("diag",)
 
   @property
   def num_params(self) -> int:
@@ -60,7 +61,7 @@ class DiagonalBlock(base.Block):
     return {"diag": base.ravel(sq) / data.batch_size}
 
   def update_curvature(self, state, stats, ema_decay):
-    return base.ema_update(state, ("diag",), stats, ema_decay)
+    return base.ema_update(state, self.factor_fields, stats, ema_decay)
 
   def update_cache(self, state, damping):
     return state._replace(damping=jnp.asarray(damping, state.damping.dtype))

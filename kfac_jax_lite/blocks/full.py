@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import per_example
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 class FullState(NamedTuple):
@@ -36,12 +36,13 @@ class FullState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class FullBlock(base.Block):
+class FullBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
   """Dense Fisher block from a source of per-example gradients."""
   layer: Layer
   config: base.BlockConfig
   source: Any
   param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
+  factor_fields = ("f",)
 
   @property
   def num_params(self) -> int:
@@ -73,7 +74,7 @@ class FullBlock(base.Block):
     return {"f": linalg.symmetrize(rows.T @ rows) / data.batch_size}
 
   def update_curvature(self, state, stats, ema_decay):
-    return base.ema_update(state, ("f",), stats, ema_decay)
+    return base.ema_update(state, self.factor_fields, stats, ema_decay)
 
   def update_cache(self, state, damping):
     damping = jnp.asarray(damping, linalg.factor_dtype())

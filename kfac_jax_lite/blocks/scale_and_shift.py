@@ -25,7 +25,7 @@ from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import diagonal
 from kfac_jax_lite.blocks import full
 from kfac_jax_lite.blocks import per_example
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 def _reduce_to(x, shape: tuple):
