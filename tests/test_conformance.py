@@ -24,7 +24,6 @@ from tests import block_cases as cases
 from tests import blocks_helpers as h
 from tests.blocks_helpers import x64  # noqa: F401  (fixture)
 
-DAMPING = 0.1
 # (kind, approx) without Cholesky products or without products at exp 1.
 NO_CHOLESKY = {("fully_connected", "kron_series_1"),
                ("fully_connected", "kron_series_2")}
@@ -76,86 +75,6 @@ def _stacked(size=3):
   return layer, data._replace(batch_size=built[0][1].batch_size), params
 
 
-def _run(block, data, v):
-  """Every verb once, from a fitted state (one jit)."""
-  state0 = block.init()
-  stats = block.compute_stats(data)
-  state = block.update_curvature(state0, stats, 0.95)
-  state = block.update_cache(state, DAMPING)
-  f = block.factors(state)
-  twice = jax.tree.map(lambda x: 2 * x, f)
-  out = {"state0": state0, "state": state, "stats": stats, "factors": f,
-         "same": block.with_factors(state, f),
-         "twice": block.factors(block.with_factors(state, twice)),
-         "full": block.full_fisher_block(state),
-         "mi": block.multiply_inverse(state, v)}
-  if not isinstance(block, base.FusedProduct):
-    return out
-  raw = block.multiply_matpower_raw(state, block.product_input(v), -1)
-  out["fused"] = block.finish_product(raw, v)
-  return out
-
-
-def _close(a, b, rtol=1e-8):
-  a, b = (h.ravel(jax.tree.leaves(x)) for x in (a, b))
-  np.testing.assert_allclose(a, b, rtol=rtol,
-                             atol=rtol * float(jnp.max(jnp.abs(b))))
-
-
-def _same_structure(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert x.shape == y.shape and x.dtype == y.dtype
-
-
-def check_protocol(block, data, params, pair=None):
-  """The protocol's promises for ``block`` on ``data`` (see module doc)."""
-  assert isinstance(block, base.Block)
-  v = h.random_like(3, params)
-  batch = data.batch_size   # A static int, closed over.
-  out = h.jit(lambda d, x: _run(block, d._replace(batch_size=batch), x))(
-      data._replace(batch_size=None), v)
-  _same_structure(out["state"], out["state0"])
-  _same_structure(out["factors"], out["stats"])
-  _same_structure(out["same"], out["state"])
-  for x, y in zip(jax.tree.leaves(out["same"]),
-                  jax.tree.leaves(out["state"])):
-    np.testing.assert_array_equal(x, y)
-  _close(out["twice"], jax.tree.map(lambda x: 2 * x, out["factors"]))
-  p = sum(x.size for x in params)
-  full = np.asarray(out["full"])
-  assert full.shape == (p, p) and np.all(np.isfinite(full))
-  np.testing.assert_allclose(full, full.T, atol=1e-10 * np.abs(full).max())
-  _same_structure(out["mi"], v)
-  if "fused" in out:
-    _close(out["fused"], out["mi"])
-  state = out["state"]
-  if pair not in NO_EXP1:
-    _close(block.multiply(state, out["mi"]), v, rtol=1e-7)
-  if pair in NO_CHOLESKY:
-    with pytest.raises(ValueError, match="supports exp"):
-      block.multiply_cholesky(state, v)
-  elif isinstance(block, base.CholeskyProducts):
-    for t in (False, True):
-      _close(block.multiply_cholesky(
-          state, block.multiply_cholesky_inverse(state, v, t), t), v,
-             rtol=1e-7)
-  if isinstance(block, base.FactorBucketed):
-    check_bucketed(block, state)
-  return out
-
-
-def check_bucketed(block, state):
-  """The factor-by-factor refresh equals ``update_cache``."""
-  requests = block.factor_requests(state)
-  dampings = block.factor_dampings(state, DAMPING, {})
-  caches = {n: block.factor_cache(f, dampings[n]) for n, f in requests}
-  got = block.with_factor_caches(state, DAMPING, caches)
-  want = block.update_cache(state, DAMPING)
-  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    _close(x, y, rtol=1e-10)
-
-
 def _config(pair):
   return blocks.BlockConfig(
       exps=(-1,), compute_cholesky=pair not in NO_CHOLESKY,
@@ -170,7 +89,8 @@ def test_every_registered_pair_follows_the_protocol(kind, approx, multi):
       multi or kind == "tied_embedding")
   layer = dataclasses.replace(layer, approx=approx)
   block = blocks.make_block(layer, _config((kind, approx)))
-  check_protocol(block, data, params, (kind, approx))
+  h.check_protocol(block, data, params, exp1=(kind, approx) not in NO_EXP1,
+                   cholesky=(kind, approx) not in NO_CHOLESKY)
 
 
 @pytest.mark.usefixtures("x64")
@@ -178,7 +98,7 @@ def test_stacked_layer_follows_the_protocol():
   layer, data, params = _stacked()
   block = blocks.make_block(layer, _config(None))
   assert isinstance(block, blocks.combinators.VmappedBlock)
-  out = check_protocol(block, data, params)
+  out = h.check_protocol(block, data, params)
   assert out["factors"]["a"].shape == (3, 4, 4)
 
 
