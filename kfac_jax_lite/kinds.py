@@ -1,11 +1,11 @@
 """The registry of layer kinds: one row per kind, everything else derived.
 
 A :class:`LayerKind` row says what the rest of the package needs to know
-about a kind of layer: its name (the ``kind`` of the layer tag), the tag
-function that registers it, its curvature approximations for a layer used
-once and for one used several times per example (the default first), the
-block factory of every approximation, how a tag site counts uses, and
-which parameter (if any) is an optional bias. From the rows come
+about a kind of layer: its name (the ``kind`` of the layer tag), its
+curvature approximations for a layer used once and for one used several
+times per example (the default first), the block factory of every
+approximation, how a tag site counts uses, and which parameter (if any) is
+an optional bias. From the rows come
 :data:`APPROXIMATIONS` (and so ``scan``'s checks), ``tags.LAYER_KINDS``,
 ``Layer.has_bias``, the scanner's use counting and merging of tied sites,
 ``blocks.make_block``'s dispatch, and the README's table
@@ -48,8 +48,6 @@ class LayerKind:
 
   Attributes:
     name: the tag's ``kind`` (``"fully_connected"``, ...).
-    register: the ``tags`` function that registers it (for documentation;
-      empty for kinds only the scanner forms).
     approximations: for a layer used once per example; default first.
     multi_approximations: for a layer used several times (scan steps,
       repeated tags, inner positions); default first.
@@ -65,7 +63,6 @@ class LayerKind:
       make one layer of this kind (a table looked up and attended).
   """
   name: str
-  register: str
   approximations: tuple
   multi_approximations: tuple
   factories: tuple
@@ -75,7 +72,7 @@ class LayerKind:
 
   def __post_init__(self):
     named = {a for a, _ in self.factories}
-    missing = (set(self.approximations) | set(self.multi_approximations)) - named
+    missing = set(self.approximations + self.multi_approximations) - named
     if missing or self.use_count not in USE_COUNTS:
       raise ValueError(
           f"LayerKind {self.name!r}: approximations {sorted(missing)} have no "
@@ -101,7 +98,7 @@ def _kron(name):
 
 _ROWS = (
     LayerKind(
-        "fully_connected", "register_dense",
+        "fully_connected",
         ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag",
          "diagonal", "full"),
         ("kron_indep", "kron_series_1", "kron_series_2", "kron_in_diag",
@@ -113,7 +110,7 @@ _ROWS = (
             ("full", "full.dense_full_block")),
         use_count="positions", bias_index=1),
     LayerKind(
-        "conv", "register_conv",
+        "conv",
         ("kron", "diagonal", "kron_sua"), ("kron_indep", "diagonal"),
         (("kron", "conv.conv_kron_block"),
          ("kron_indep", "conv.conv_kron_block"),
@@ -121,34 +118,33 @@ _ROWS = (
          ("diagonal", "conv.conv_diagonal_block")),
         bias_index=1),
     LayerKind(
-        "depthwise_conv", "register_depthwise_conv2d",
+        "depthwise_conv",
         ("diagonal", "kron"), ("diagonal", "kron"),
         (("diagonal", "depthwise.depthwise_diagonal_block"),
          ("kron", "depthwise.depthwise_kron_block")),
         bias_index=1),
     LayerKind(
-        "separable_conv", "register_separable_conv2d",
+        "separable_conv",
         ("kron", "diagonal"), ("kron", "diagonal"),
         (("kron", "depthwise.separable_block"),
          ("diagonal", "depthwise.separable_block")),
         bias_index=2),
     LayerKind(
-        "embedding", "register_embedding", ("kron",), ("kron_indep",),
+        "embedding", ("kron",), ("kron_indep",),
         (("kron", "embedding.embedding_block"),
          ("kron_indep", "embedding.embedding_block")),
         use_count="ids"),
     LayerKind(
-        "tied_embedding", "", ("kron_sum",), ("kron_sum",),
+        "tied_embedding", ("kron_sum",), ("kron_sum",),
         (("kron_sum", "tied.tied_embedding_block"),),
         use_count="positions", joins=("embedding",)),
     LayerKind(
-        "scale_and_shift", "register_scale_and_shift",
+        "scale_and_shift",
         ("full", "diagonal"), ("full", "diagonal"),
         (("full", "scale_and_shift.scale_and_shift_full_block"),
          ("diagonal", "scale_and_shift.scale_and_shift_diagonal_block"))),
     LayerKind(
-        "generic", "register_generic", ("diagonal", "full"),
-        ("diagonal", "full"),
+        "generic", ("diagonal", "full"), ("diagonal", "full"),
         (("diagonal", "diagonal.naive_diagonal_block"),
          ("full", "full.naive_full_block"))),
 )

@@ -1,4 +1,4 @@
-"""The layer-kind registry, what is derived from it, and per-call user blocks."""
+"""The layer-kind registry, what is derived from it, and user blocks."""
 
 import ast
 import dataclasses
@@ -206,3 +206,20 @@ def test_user_block_follows_the_protocol():
   assert not isinstance(block, base.CholeskyProducts)
   assert not isinstance(block, base.FactorBucketed)
   h.check_protocol(block, data, params)
+
+
+def test_no_block_overrides_a_shared_method():
+  """Blocks are final: a mixin's method is used as is or not inherited."""
+  mixins = (base.Shorthands, base.UnfusedProducts, base.FieldFactors,
+            blocks.per_example.FromSource)
+  checked = 0
+  for module in vars(blocks).values():
+    for cls in vars(module).values() if hasattr(module, "__file__") else ():
+      if isinstance(cls, type) and cls not in mixins and any(
+          issubclass(cls, m) for m in mixins):
+        checked += 1
+        for m in mixins:
+          shared = {k for k in vars(m) if not k.startswith("__")}
+          if issubclass(cls, m):
+            assert not shared & set(vars(cls)), cls
+  assert checked >= 8

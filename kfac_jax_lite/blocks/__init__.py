@@ -1,9 +1,9 @@
 """Curvature blocks, one family per module; :func:`make_block` picks one.
 
 Which block serves which ``(kind, approx)`` is a row of the layer-kind
-registry (:mod:`kfac_jax_lite.kinds`; :func:`kfac_jax_lite.kinds.markdown_table`
-prints the table). The registry names the factories (``"kronecker.dense_block"``)
-and this module resolves them, so that the registry, the collection and the
+registry (:mod:`kfac_jax_lite.kinds`; ``kinds.markdown_table()`` prints the
+table). The registry names the factories (``"kronecker.dense_block"``) and
+this module resolves them, so that the registry, the collection and the
 scanner import no block module. Every block is a frozen dataclass of static
 fields whose methods are pure functions of a state pytree; blocks equal up to
 ``layer`` act identically, so the estimator may stack them. The verbs and
@@ -46,12 +46,10 @@ from kfac_jax_lite.blocks.base import LayerData
 from kfac_jax_lite.layer import Layer
 
 __all__ = ["Block", "BlockConfig", "CholeskyProducts", "FactorBucketed",
-           "FusedProduct", "LayerData", "inner_uses", "make_block",
-           "registered_factory"]
+           "FusedProduct", "LayerData", "make_block", "registered_factory"]
 
 # A factory builds the block of one layer: (layer, config) -> block.
 Factory = Callable[[Layer, BlockConfig], object]
-inner_uses = kinds.inner_uses
 
 
 def registered_factory(kind: str, approx: str) -> Optional[Factory]:

@@ -16,7 +16,6 @@ irrelevant) and their inverses are elementwise and computed on the fly.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -35,21 +34,14 @@ class DiagonalState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class DiagonalBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
+class DiagonalBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors,
+                    per_example.FromSource):
   """Diagonal Fisher block from a source of per-example gradients."""
   layer: Layer
   config: base.BlockConfig
   source: Any
   param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
   factor_fields = ("diag",)
-
-  @property
-  def num_params(self) -> int:
-    return sum(int(math.prod(s)) for s in self.param_shapes)
-
-  @property
-  def needs_param_grads(self) -> bool:
-    return self.source.needs_param_grads
 
   def init(self) -> DiagonalState:
     dt = linalg.factor_dtype()
@@ -94,18 +86,6 @@ def naive_diagonal_block(layer: Layer, config: base.BlockConfig):
 
 def dense_diagonal_block(layer: Layer, config: base.BlockConfig):
   """Dense layer: the exact diagonal of the per-example Fisher."""
-  d_in, d_out = _dense_kernel_shape(layer)
-  return DiagonalBlock(
-      layer=layer, config=config,
-      source=per_example.DenseGrads(d_in, d_out, layer.has_bias),
-      param_shapes=layer.param_shapes)
-
-
-def _dense_kernel_shape(layer: Layer) -> tuple:
-  shape = layer.param_shapes[0]
-  if len(shape) != 2:
-    raise ValueError(
-        f"Layer {layer.name!r} has kernel shape {shape}; register_dense "
-        "needs a rank-2 [d_in, d_out] kernel. Reshape it, or register it "
-        "with register_generic(...).")
-  return shape
+  return DiagonalBlock(layer=layer, config=config,
+                       source=per_example.dense_grads(layer),
+                       param_shapes=layer.param_shapes)

@@ -17,7 +17,6 @@ uses the live ``F`` and the last damping.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -36,21 +35,14 @@ class FullState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class FullBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
+class FullBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors,
+                per_example.FromSource):
   """Dense Fisher block from a source of per-example gradients."""
   layer: Layer
   config: base.BlockConfig
   source: Any
   param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
   factor_fields = ("f",)
-
-  @property
-  def num_params(self) -> int:
-    return sum(int(math.prod(s)) for s in self.param_shapes)
-
-  @property
-  def needs_param_grads(self) -> bool:
-    return self.source.needs_param_grads
 
   def _cache_names(self):
     names = [f"^{e:g}" for e in self.config.cached_exps]
@@ -127,13 +119,6 @@ def naive_full_block(layer: Layer, config: base.BlockConfig):
 
 def dense_full_block(layer: Layer, config: base.BlockConfig):
   """Dense layer: the per-example Fisher of ``(w, b)``, exact."""
-  shape = layer.param_shapes[0]
-  if len(shape) != 2:
-    raise ValueError(
-        f"Layer {layer.name!r} has kernel shape {shape}; register_dense "
-        "needs a rank-2 [d_in, d_out] kernel. Reshape it, or register it "
-        "with register_generic(...).")
-  return FullBlock(
-      layer=layer, config=config,
-      source=per_example.DenseGrads(shape[0], shape[1], layer.has_bias),
-      param_shapes=layer.param_shapes)
+  return FullBlock(layer=layer, config=config,
+                   source=per_example.dense_grads(layer),
+                   param_shapes=layer.param_shapes)
