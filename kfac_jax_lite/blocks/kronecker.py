@@ -239,9 +239,6 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
   def update_curvature(self, state, stats, ema_decay):
     return base.ema_update(state, self.factor_fields, stats, ema_decay)
 
-  def _split_damping(self, state, damping):
-    return linalg.pi_adjusted_damping(state.a, state.g, damping / state.scale)
-
   def update_cache(self, state, damping):
     damping = jnp.asarray(damping, linalg.factor_dtype())
     if self.config.damping_type == "exact":
@@ -384,10 +381,10 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
         out = c * linalg.matmul_right(linalg.matmul_left(state.a, m), state.g)
         out = out + state.damping * m
       else:
-        da, dg = self._split_damping(state, state.damping)
+        d = self.factor_dampings(state, state.damping, {})
         out = c * linalg.matmul_right(
-            linalg.matmul_left(_add_diag(state.a, da), m),
-            _add_diag(state.g, dg))
+            linalg.matmul_left(_add_diag(state.a, d["a"]), m),
+            _add_diag(state.g, d["g"]))
     elif self.config.damping_type == "exact":
       spec, ua, ug = self._exact_spectrum(state)
       out = self._rotate(self._rotate(m, ua, ug, True) * jnp.power(spec, exp),
