@@ -15,16 +15,13 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 
 from kfac_jax_lite import kinds
-from kfac_jax_lite.layer import Layer
+from kfac_jax_lite.layer import Layer  # Also kfac_jax_lite.collection.Layer.
 from kfac_jax_lite.losses import LossSpec
 
 # Allowed approximations per layer kind and multi-use kind ("conv_multi"),
 # the default first; derived from the registry (kfac_jax_lite.kinds).
 APPROXIMATIONS = kinds.APPROXIMATIONS
 approximation_key = kinds.approximation_key
-
-__all__ = ["APPROXIMATIONS", "Layer", "LayerCollection", "approximation_key",
-           "resolve_approx", "validate_approximations"]
 
 
 def resolve_approx(kind: str, num_uses: int, explicit: Optional[str],
