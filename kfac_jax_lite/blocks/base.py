@@ -106,6 +106,23 @@ def check_exp(block, exp) -> float:
   return exp
 
 
+def unsupported(block, what: str, approx: str, exps: str, why: str,
+                fix: str = ""):
+  """Raises the ``ValueError`` of a product an approximation does not have.
+
+  Args:
+    block: the block (for its layer's name).
+    what: the call, e.g. ``"multiply_matpower(exp=0.5)"``.
+    approx: the approximation's name.
+    exps: what it supports, e.g. ``"exps -1 and 1"``.
+    why: the reason, in parentheses in the message.
+    fix: what to use instead (a sentence), if anything.
+  """
+  raise ValueError(
+      f"{what} on layer {layer_name(block)!r}: approximation {approx!r} "
+      f"supports {exps} only ({why}).{' ' + fix if fix else ''}")
+
+
 def check_cached(block, flag: str, what: str):
   if not getattr(block.config, flag):
     raise ValueError(

@@ -282,8 +282,10 @@ def conv_kron_block(layer: Layer, config: base.BlockConfig):
   return kronecker.KroneckerBlock(layer=layer, config=config, layout=layout)
 
 
-def conv_diagonal_block(layer: Layer, config: base.BlockConfig):
-  """Exact diagonal of the per-example Fisher of a conv layer."""
-  source = ConvGrads(conv_geometry(layer), layer.has_bias)
-  return diagonal.DiagonalBlock(layer=layer, config=config, source=source,
-                                param_shapes=layer.param_shapes)
+def conv_grads(layer: Layer) -> ConvGrads:
+  """The per-example source of a conv layer."""
+  return ConvGrads(conv_geometry(layer), layer.has_bias)
+
+
+# Exact diagonal of the per-example Fisher of a conv layer.
+conv_diagonal_block = per_example.factory(diagonal.DiagonalBlock, conv_grads)

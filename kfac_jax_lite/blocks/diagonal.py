@@ -77,15 +77,9 @@ class DiagonalBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors,
     return jnp.diag(state.diag)
 
 
-def naive_diagonal_block(layer: Layer, config: base.BlockConfig):
-  """Generic parameters: the diagonal of the "square of the sum" estimate."""
-  return DiagonalBlock(layer=layer, config=config,
-                       source=per_example.ParamGrads(),
-                       param_shapes=layer.param_shapes)
-
-
-def dense_diagonal_block(layer: Layer, config: base.BlockConfig):
-  """Dense layer: the exact diagonal of the per-example Fisher."""
-  return DiagonalBlock(layer=layer, config=config,
-                       source=per_example.dense_grads(layer),
-                       param_shapes=layer.param_shapes)
+# Generic parameters: the diagonal of the "square of the sum" estimate.
+naive_diagonal_block = per_example.factory(DiagonalBlock,
+                                           per_example.param_grads)
+# Dense layer: the exact diagonal of the per-example Fisher.
+dense_diagonal_block = per_example.factory(DiagonalBlock,
+                                           per_example.dense_grads)

@@ -110,15 +110,7 @@ class FullBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors,
     return state.f
 
 
-def naive_full_block(layer: Layer, config: base.BlockConfig):
-  """Generic parameters: the "square of the sum" full estimate."""
-  return FullBlock(layer=layer, config=config,
-                   source=per_example.ParamGrads(),
-                   param_shapes=layer.param_shapes)
-
-
-def dense_full_block(layer: Layer, config: base.BlockConfig):
-  """Dense layer: the per-example Fisher of ``(w, b)``, exact."""
-  return FullBlock(layer=layer, config=config,
-                   source=per_example.dense_grads(layer),
-                   param_shapes=layer.param_shapes)
+# Generic parameters: the "square of the sum" full estimate.
+naive_full_block = per_example.factory(FullBlock, per_example.param_grads)
+# Dense layer: the per-example Fisher of ``(w, b)``, exact.
+dense_full_block = per_example.factory(FullBlock, per_example.dense_grads)

@@ -198,12 +198,11 @@ class SeriesBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
     return state._replace(cache=cache, damping=damping)
 
   def _unsupported(self, what):
-    extra = " and 1" if self.option == 1 else ""
-    raise ValueError(
-        f"{what} on layer {base.layer_name(self)!r}: approximation "
-        f"{self._approx!r} supports exp -1{extra} only (Martens, Ba & "
-        "Johnson 2018 give a closed form for the inverse). Use "
-        "approx='kron_indep' for other powers or Cholesky factors.")
+    base.unsupported(
+        self, what, self._approx,
+        "exp -1 and 1" if self.option == 1 else "exp -1",
+        "Martens, Ba & Johnson 2018 give a closed form for the inverse",
+        "Use approx='kron_indep' for other powers or Cholesky factors.")
 
   def multiply_matpower(self, state, v, exp):
     """``F̂^{-1} v`` (and ``F̂ v`` for option 1), from the cache."""

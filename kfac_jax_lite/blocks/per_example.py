@@ -122,6 +122,21 @@ class DenseGrads:
     return out
 
 
+def factory(block_cls, source_of):
+  """The factory ``(layer, config) -> block_cls(...)`` of a block fed by the
+  source ``source_of(layer)`` (diagonal and full blocks)."""
+  def make(layer: Layer, config: base.BlockConfig):
+    return block_cls(layer=layer, config=config, source=source_of(layer),
+                     param_shapes=layer.param_shapes)
+  return make
+
+
+def param_grads(layer: Layer) -> ParamGrads:
+  """The square-of-the-sum source of a generic layer."""
+  del layer
+  return ParamGrads()
+
+
 def dense_grads(layer: Layer) -> DenseGrads:
   """The :class:`DenseGrads` of a dense layer with a rank-2 kernel.
 

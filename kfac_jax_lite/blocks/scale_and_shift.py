@@ -81,14 +81,6 @@ def _source(layer: Layer) -> ScaleShiftGrads:
   return ScaleShiftGrads(tuple(tuple(s) for s in layer.param_shapes))
 
 
-def scale_and_shift_full_block(layer: Layer, config: base.BlockConfig):
-  """``full`` block of ``(scale[, shift])``."""
-  return full.FullBlock(layer=layer, config=config, source=_source(layer),
-                        param_shapes=layer.param_shapes)
-
-
-def scale_and_shift_diagonal_block(layer: Layer, config: base.BlockConfig):
-  """``diagonal`` block of ``(scale[, shift])``."""
-  return diagonal.DiagonalBlock(layer=layer, config=config,
-                                source=_source(layer),
-                                param_shapes=layer.param_shapes)
+scale_and_shift_full_block = per_example.factory(full.FullBlock, _source)
+scale_and_shift_diagonal_block = per_example.factory(diagonal.DiagonalBlock,
+                                                     _source)

@@ -211,10 +211,9 @@ class SUAConvBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
 
   # ---- products ------------------------------------------------------------
   def _unsupported(self, what):
-    raise ValueError(
-        f"{what} on layer {base.layer_name(self)!r}: approximation "
-        "'kron_sua' supports exps -1 and 1 only (its inverse is a "
-        "Sherman-Morrison update). Use approx='kron' for other powers.")
+    base.unsupported(self, what, "kron_sua", "exps -1 and 1",
+                     "its inverse is a Sherman-Morrison update",
+                     "Use approx='kron' for other powers.")
 
   def multiply_matpower(self, state, v, exp):
     """``F̂^exp v`` for exp 1 (live factors) and -1 (cache)."""

@@ -206,10 +206,9 @@ class TiedEmbeddingBlock(base.Shorthands, base.UnfusedProducts,
       t = state.cache["t"]
       out = ((y @ t) / self._spectrum(state)) @ t.T
     else:
-      raise ValueError(
-          f"multiply_matpower(exp={exp:g}) on layer {base.layer_name(self)!r}"
-          ": approximation 'kron_sum' supports exps -1 and 1 only (a sum of "
-          "two Kronecker products has no closed-form matrix powers).")
+      base.unsupported(
+          self, f"multiply_matpower(exp={exp:g})", "kron_sum", "exps -1 and 1",
+          "a sum of two Kronecker products has no closed-form matrix powers")
     return base.vector_dtype_cast((out,), v)
 
   def multiply_cholesky(self, state, v, transpose=False):
