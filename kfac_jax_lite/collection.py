@@ -10,110 +10,18 @@ closed over by jitted functions.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Mapping, Optional
 
 import jax
 
+from kfac_jax_lite import kinds
+from kfac_jax_lite.layer import Layer  # Also kfac_jax_lite.collection.Layer.
 from kfac_jax_lite.losses import LossSpec
 
-# Allowed approximations per layer kind; the first is the default.
-APPROXIMATIONS: Mapping[str, tuple] = {
-    "fully_connected": ("kron", "kron_in_diag", "kron_out_diag",
-                        "kron_both_diag", "diagonal", "full"),
-    "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2",
-                              "kron_in_diag", "kron_out_diag",
-                              "kron_both_diag", "diagonal", "full"),
-    "conv": ("kron", "diagonal", "kron_sua"),
-    "conv_multi": ("kron_indep", "diagonal"),
-    "depthwise_conv": ("diagonal", "kron"),
-    "depthwise_conv_multi": ("diagonal", "kron"),
-    "separable_conv": ("kron", "diagonal"),
-    "separable_conv_multi": ("kron", "diagonal"),
-    "embedding": ("kron",),
-    "embedding_multi": ("kron_indep",),
-    "tied_embedding": ("kron_sum",),
-    "tied_embedding_multi": ("kron_sum",),
-    "scale_and_shift": ("full", "diagonal"),
-    "scale_and_shift_multi": ("full", "diagonal"),
-    "generic": ("diagonal", "full"),
-    "generic_multi": ("diagonal", "full"),
-}
-
-# "kron" on a multi-use layer means "kron_indep".
-_MULTI_ALIASES = {"kron": "kron_indep"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Layer:
-  """A static layer description.
-
-  Attributes:
-    name: a readable unique name (derived from the parameter paths).
-    kind: ``fully_connected``, ``conv``, ``depthwise_conv``,
-      ``separable_conv``, ``embedding``, ``tied_embedding`` (a table both
-      looked up and used as ``x @ table.T``), ``scale_and_shift`` or
-      ``generic``.
-    approx: the resolved approximation string.
-    param_paths: ``jax.tree_util.keystr`` of each parameter leaf, in the
-      tag's operand order (e.g. kernel then bias).
-    param_indices: positions of those leaves in ``jax.tree.leaves(params)``.
-    param_shapes: shapes of the parameter leaves (whole leaves, including
-      the stack axis of a stacked layer).
-    param_dtypes: dtype names of the parameter leaves.
-    num_uses: how many times the layer is applied per example (scan steps,
-      repeated tags, inner axes such as ``T`` of ``[B, T, d]`` inputs). For a
-      stacked layer: the uses of one slice.
-    found_by: ``tag`` (registered by the user), ``auto`` (recognised by the
-      scanner) or ``leftover`` (no structure found: generic block).
-    meta: static tag metadata (strides, padding, ...), a sorted tuple.
-    note: why a fallback happened, if one did.
-    stack: ``0``, or ``L`` for a stacked layer: every parameter leaf has a
-      leading axis of size ``L`` that a ``lax.scan`` (e.g. ``nn.scan``)
-      slices, and slice ``l`` is an independent layer. The curvature block
-      is built for one slice and ``vmap``-ped over the stack axis
-      (:mod:`kfac_jax_lite.blocks.stacked`).
-  """
-  name: str
-  kind: str
-  approx: str
-  param_paths: tuple
-  param_indices: tuple
-  param_shapes: tuple
-  param_dtypes: tuple
-  num_uses: int = 1
-  found_by: str = "tag"
-  meta: tuple = ()
-  note: str = ""
-  stack: int = 0
-
-  def unstacked(self) -> "Layer":
-    """The layer of one slice of a stacked layer (itself if not stacked)."""
-    if not self.stack:
-      return self
-    return dataclasses.replace(
-        self, param_shapes=tuple(s[1:] for s in self.param_shapes), stack=0)
-
-  @property
-  def is_multi(self) -> bool:
-    return self.num_uses > 1
-
-  @property
-  def meta_dict(self) -> dict:
-    return dict(self.meta)
-
-  @property
-  def has_bias(self) -> bool:
-    return self.kind in ("fully_connected", "conv") and len(
-        self.param_paths) == 2
-
-  @property
-  def num_params(self) -> int:
-    return sum(int(math.prod(s)) for s in self.param_shapes)
-
-
-def approximation_key(kind: str, num_uses: int) -> str:
-  return f"{kind}_multi" if num_uses > 1 else kind
+# Allowed approximations per layer kind and multi-use kind ("conv_multi"),
+# the default first; derived from the registry (kfac_jax_lite.kinds).
+APPROXIMATIONS = kinds.APPROXIMATIONS
+approximation_key = kinds.approximation_key
 
 
 def resolve_approx(kind: str, num_uses: int, explicit: Optional[str],
@@ -145,8 +53,7 @@ def resolve_approx(kind: str, num_uses: int, explicit: Optional[str],
       chosen, source = approximations[kind], f"approximations[{kind!r}]"
   if chosen is None:
     return allowed[0]
-  if num_uses > 1:
-    chosen = _MULTI_ALIASES.get(chosen, chosen)
+  chosen = kinds.canonical(kind, num_uses, chosen)
   if chosen not in allowed:
     raise ValueError(
         f"{source}={chosen!r} is not an approximation for a {key!r} layer "
@@ -165,7 +72,7 @@ def validate_approximations(approximations: Optional[Mapping[str, str]],
         f"path prefix to an approximation; got {type(approximations)}.")
   for k, v in approximations.items():
     if k in APPROXIMATIONS:
-      if v not in APPROXIMATIONS[k] and _MULTI_ALIASES.get(
+      if v not in APPROXIMATIONS[k] and kinds.MULTI_ALIASES.get(
           v) not in APPROXIMATIONS[k]:
         raise ValueError(
             f"approximations[{k!r}]={v!r} is unknown; choose one of "
@@ -214,12 +121,6 @@ class LayerCollection:
   def registered_variables(self) -> tuple:
     """The registered parameter paths, in layer order."""
     return tuple(p for layer in self.layers for p in layer.param_paths)
-
-  @property
-  def blocks(self) -> dict:
-    """Default curvature blocks, ``{layer.name: block}``."""
-    from kfac_jax_lite import blocks  # pylint: disable=import-outside-toplevel
-    return {layer.name: blocks.make_block(layer) for layer in self.layers}
 
   def layer(self, name: str) -> Layer:
     for layer in self.layers:

@@ -59,10 +59,6 @@ from kfac_jax_lite import keys as keys_lib
 
 STATS_SYNCS = ("every_update", "before_refresh")
 
-# State fields that are not EMA'd statistics (the fallback for blocks
-# without ``factors``).
-_NOT_FACTORS = ("weight", "damping", "cache")
-
 
 def check_options(axis_name, stats_sync, distributed_inverses):
   """Raises ``ValueError`` for an invalid data-parallel option."""
@@ -139,21 +135,6 @@ def replica_key(key, axis_name: Hashable):
   return keys_lib.derive(key, lax.axis_index(axis_name))
 
 
-def _factors(block, state):
-  """``(factors, rebuild)``: the EMA'd statistics of a block state (stacked
-  or not) and ``rebuild(factors) -> state``."""
-  if hasattr(block, "factors"):
-    return block.factors(state), lambda f: block.with_factors(state, f)
-  # MERGE: name-guessing fallback until every block has factors() (A2).
-  b, names = block, None
-  while b is not None and names is None:
-    names = getattr(b, "factor_fields", None)
-    b = getattr(b, "inner", None)
-  names = tuple(f for f in state._fields if f not in _NOT_FACTORS
-                ) if names is None else tuple(names)
-  return {k: getattr(state, k) for k in names}, lambda f: state._replace(**f)
-
-
 def average_factors(blocks: Sequence, states: Sequence, axis_name) -> list:
   """``pmean`` of the factors of every block (one all-reduce).
 
@@ -162,11 +143,11 @@ def average_factors(blocks: Sequence, states: Sequence, axis_name) -> list:
   update. A state may hold a stack of same-shaped layers.
   """
   axis_size(axis_name)
-  picked = [None if b.needs_param_grads else _factors(b, s)
+  picked = [None if b.needs_param_grads else b.factors(s)
             for b, s in zip(blocks, states)]
-  means = lax.pmean([() if p is None else p[0] for p in picked], axis_name)
-  return [s if p is None else p[1](m)
-          for s, p, m in zip(states, picked, means)]
+  picked = lax.pmean(picked, axis_name)
+  return [s if p is None else b.with_factors(s, p)
+          for b, s, p in zip(blocks, states, picked)]
 
 
 def refresh_cost(state) -> float:

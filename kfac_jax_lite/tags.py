@@ -26,6 +26,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
+from kfac_jax_lite import kinds
+
 # --------------------------------------------------------------------------
 # Primitives.
 # --------------------------------------------------------------------------
@@ -33,9 +35,7 @@ from jax.interpreters import ad, batching, mlir
 layer_tag_p = jex_core.Primitive("kfac_layer_tag")
 loss_tag_p = jex_core.Primitive("kfac_loss_tag")
 
-LAYER_KINDS = (
-    "fully_connected", "conv", "depthwise_conv", "separable_conv", "embedding",
-    "scale_and_shift", "generic")
+LAYER_KINDS = tuple(kinds.KINDS)
 LOSS_KINDS = ("categorical", "normal", "multi_bernoulli")
 
 

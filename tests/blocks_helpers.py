@@ -148,3 +148,95 @@ def np_matrix(x):
 def to_ravel(f_mat, index):
   inv = np.argsort(index)
   return f_mat[inv][:, inv]
+
+
+# ---------------------------------------------------------------------------
+# The block protocol, checked on one fitted block.
+# ---------------------------------------------------------------------------
+
+PROTOCOL_DAMPING = 0.1
+
+
+def _run(block, data, v):
+  """Every verb once, from a fitted state (one jit)."""
+  state0 = block.init()
+  stats = block.compute_stats(data)
+  state = block.update_curvature(state0, stats, 0.95)
+  state = block.update_cache(state, PROTOCOL_DAMPING)
+  f = block.factors(state)
+  twice = jax.tree.map(lambda x: 2 * x, f)
+  out = {"state0": state0, "state": state, "stats": stats, "factors": f,
+         "same": block.with_factors(state, f),
+         "twice": block.factors(block.with_factors(state, twice)),
+         "full": block.full_fisher_block(state),
+         "mi": block.multiply_inverse(state, v)}
+  if not isinstance(block, base.FusedProduct):
+    return out
+  raw = block.multiply_matpower_raw(state, block.product_input(v), -1)
+  out["fused"] = block.finish_product(raw, v)
+  return out
+
+
+def _close(a, b, rtol=1e-8):
+  a, b = (ravel(jax.tree.leaves(x)) for x in (a, b))
+  np.testing.assert_allclose(a, b, rtol=rtol,
+                             atol=rtol * float(jnp.max(jnp.abs(b))))
+
+
+def _same_structure(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.shape == y.shape and x.dtype == y.dtype
+
+
+def check_protocol(block, data, params, exp1=True, cholesky=True):
+  """What the block protocol promises, for ``block`` fitted on ``data``:
+  a stable state structure, statistics shaped like ``factors``, a
+  ``factors``/``with_factors`` round trip, products that invert each other
+  (``exp1``: the block has products at exp 1; ``cholesky``: it has
+  Cholesky products, else they raise), and the optional capabilities
+  agreeing with the plain verbs. Returns the jitted outputs."""
+  assert isinstance(block, base.Block)
+  v = random_like(3, params)
+  batch = data.batch_size   # A static int, closed over.
+  out = jit(lambda d, x: _run(block, d._replace(batch_size=batch), x))(
+      data._replace(batch_size=None), v)
+  _same_structure(out["state"], out["state0"])
+  _same_structure(out["factors"], out["stats"])
+  _same_structure(out["same"], out["state"])
+  for x, y in zip(jax.tree.leaves(out["same"]),
+                  jax.tree.leaves(out["state"])):
+    np.testing.assert_array_equal(x, y)
+  _close(out["twice"], jax.tree.map(lambda x: 2 * x, out["factors"]))
+  p = sum(x.size for x in params)
+  full = np.asarray(out["full"])
+  assert full.shape == (p, p) and np.all(np.isfinite(full))
+  np.testing.assert_allclose(full, full.T, atol=1e-10 * np.abs(full).max())
+  _same_structure(out["mi"], v)
+  if "fused" in out:
+    _close(out["fused"], out["mi"])
+  state = out["state"]
+  if exp1:
+    _close(block.multiply(state, out["mi"]), v, rtol=1e-7)
+  if not cholesky:
+    with pytest.raises(ValueError, match="supports exp"):
+      block.multiply_cholesky(state, v)
+  elif isinstance(block, base.CholeskyProducts):
+    for t in (False, True):
+      _close(block.multiply_cholesky(
+          state, block.multiply_cholesky_inverse(state, v, t), t), v,
+             rtol=1e-7)
+  if isinstance(block, base.FactorBucketed):
+    check_bucketed(block, state)
+  return out
+
+
+def check_bucketed(block, state):
+  """The factor-by-factor refresh equals ``update_cache``."""
+  requests = block.factor_requests(state)
+  dampings = block.factor_dampings(state, PROTOCOL_DAMPING, {})
+  caches = {n: block.factor_cache(f, dampings[n]) for n, f in requests}
+  got = block.with_factor_caches(state, PROTOCOL_DAMPING, caches)
+  want = block.update_cache(state, PROTOCOL_DAMPING)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    _close(x, y, rtol=1e-10)

@@ -1,26 +1,13 @@
 """Curvature blocks, one family per module; :func:`make_block` picks one.
 
-=====================  ===================================================
-kind                   approximations (module)
-=====================  ===================================================
-``fully_connected``    ``kron``, ``kron_in_diag``, ``kron_out_diag``,
-                       ``kron_both_diag``, ``kron_indep`` (kronecker);
-                       ``kron_series_1``, ``kron_series_2`` (multi_use);
-                       ``diagonal`` (diagonal); ``full`` (full)
-``conv``               ``kron``, ``kron_indep``, ``diagonal`` (conv);
-                       ``kron_sua`` (sua)
-``depthwise_conv``     ``diagonal``, ``kron`` (depthwise)
-``separable_conv``     ``kron``, ``diagonal`` (depthwise)
-``embedding``          ``kron``, ``kron_indep`` (embedding)
-``tied_embedding``     ``kron_sum`` (tied)
-``scale_and_shift``    ``full``, ``diagonal`` (scale_and_shift)
-``generic``            ``diagonal`` (diagonal), ``full`` (full)
-=====================  ===================================================
-
-Multi-use layers keep their kind (``fully_connected`` with ``kron_indep``,
-``conv`` with ``kron_indep``, ...). Every block is a frozen dataclass of
-static fields whose methods are pure functions of a state pytree; blocks
-equal up to ``layer`` act identically, so the estimator may stack them.
+Which block serves which ``(kind, approx)`` is a row of the layer-kind
+registry (:mod:`kfac_jax_lite.kinds`; ``kinds.markdown_table()`` prints the
+table). The registry names the factories (``"kronecker.dense_block"``) and
+this module resolves them, so that the registry, the collection and the
+scanner import no block module. Every block is a frozen dataclass of static
+fields whose methods are pure functions of a state pytree; blocks equal up to
+``layer`` act identically, so the estimator may stack them. The verbs and
+optional capabilities are the protocols of :mod:`.base`.
 
 Example:
   >>> block = make_block(collection.layers[0], BlockConfig(exps=(-1,)))
@@ -32,85 +19,86 @@ Example:
 
 from __future__ import annotations
 
-import math
+import importlib
+from typing import Callable, Mapping, Optional
 
-from kfac_jax_lite.blocks import conv
-from kfac_jax_lite.blocks import depthwise
-from kfac_jax_lite.blocks import diagonal
-from kfac_jax_lite.blocks import embedding
-from kfac_jax_lite.blocks import full
-from kfac_jax_lite.blocks import kronecker
-from kfac_jax_lite.blocks import multi_use
-from kfac_jax_lite.blocks import scale_and_shift
-from kfac_jax_lite.blocks import stacked
-from kfac_jax_lite.blocks import sua
-from kfac_jax_lite.blocks import tied
-from kfac_jax_lite.blocks.base import BlockConfig, LayerData
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite import kinds
+# Every family is imported here, so that kfac_jax_lite.blocks.<module> works
+# and the registry's named factories resolve without a later import.
+from kfac_jax_lite.blocks import base  # noqa: F401
+from kfac_jax_lite.blocks import conv  # noqa: F401
+from kfac_jax_lite.blocks import depthwise  # noqa: F401
+from kfac_jax_lite.blocks import diagonal  # noqa: F401
+from kfac_jax_lite.blocks import embedding  # noqa: F401
+from kfac_jax_lite.blocks import full  # noqa: F401
+from kfac_jax_lite.blocks import kronecker  # noqa: F401
+from kfac_jax_lite.blocks import multi_use  # noqa: F401
+from kfac_jax_lite.blocks import scale_and_shift  # noqa: F401
+from kfac_jax_lite.blocks import sua  # noqa: F401
+from kfac_jax_lite.blocks import tied  # noqa: F401
+from kfac_jax_lite.blocks import combinators
+from kfac_jax_lite.blocks.base import Block
+from kfac_jax_lite.blocks.base import BlockConfig
+from kfac_jax_lite.blocks.base import CholeskyProducts
+from kfac_jax_lite.blocks.base import FactorBucketed
+from kfac_jax_lite.blocks.base import FusedProduct
+from kfac_jax_lite.blocks.base import LayerData
+from kfac_jax_lite.layer import Layer
 
-__all__ = ["BlockConfig", "LayerData", "inner_uses", "make_block"]
+__all__ = ["Block", "BlockConfig", "CholeskyProducts", "FactorBucketed",
+           "FusedProduct", "LayerData", "make_block", "registered_factory"]
 
-# (kind, approx) -> constructor(layer, config).
-_FACTORIES = {
-    ("fully_connected", "kron"): kronecker.dense_block,
-    ("fully_connected", "kron_in_diag"): kronecker.dense_block,
-    ("fully_connected", "kron_out_diag"): kronecker.dense_block,
-    ("fully_connected", "kron_both_diag"): kronecker.dense_block,
-    ("fully_connected", "kron_indep"): kronecker.dense_block,
-    ("fully_connected", "kron_series_1"): multi_use.series_block,
-    ("fully_connected", "kron_series_2"): multi_use.series_block,
-    ("fully_connected", "diagonal"): diagonal.dense_diagonal_block,
-    ("fully_connected", "full"): full.dense_full_block,
-    ("conv", "kron"): conv.conv_kron_block,
-    ("conv", "kron_indep"): conv.conv_kron_block,
-    ("conv", "kron_sua"): sua.conv_sua_block,
-    ("conv", "diagonal"): conv.conv_diagonal_block,
-    ("depthwise_conv", "diagonal"): depthwise.depthwise_diagonal_block,
-    ("depthwise_conv", "kron"): depthwise.depthwise_kron_block,
-    ("separable_conv", "kron"): depthwise.separable_block,
-    ("separable_conv", "diagonal"): depthwise.separable_block,
-    ("embedding", "kron"): embedding.embedding_block,
-    ("embedding", "kron_indep"): embedding.embedding_block,
-    ("tied_embedding", "kron_sum"): tied.tied_embedding_block,
-    ("scale_and_shift", "full"): scale_and_shift.scale_and_shift_full_block,
-    ("scale_and_shift", "diagonal"):
-        scale_and_shift.scale_and_shift_diagonal_block,
-    ("generic", "diagonal"): diagonal.naive_diagonal_block,
-    ("generic", "full"): full.naive_full_block,
-}
+# A factory builds the block of one layer: (layer, config) -> block.
+Factory = Callable[[Layer, BlockConfig], object]
 
 
-def inner_uses(kind: str, input_shapes: tuple) -> int:
-  """Uses of a layer per example at one tag site, outside any ``lax.scan``.
-
-  A dense layer applied to ``x: [B, T, ..., d_in]`` is used ``T·...`` times
-  per example (each position is one use of the weights); so is an
-  embedding looking up ``ids: [B, k, ...]``, and the output projection of a
-  tied embedding (``tied_embedding`` sites) applied to ``[B, T, ..., d]``.
-  Conv locations are not uses (KFC counts them in the block's scale), nor
-  are the broadcast positions of a scale-and-shift layer (its per-example
-  gradient sums over them).
-  """
-  if not input_shapes:
-    return 1
-  if kind in ("fully_connected", "tied_embedding") and len(
-      input_shapes[0]) > 2:
-    return int(math.prod(input_shapes[0][1:-1]))
-  if kind == "embedding" and len(input_shapes[0]) > 1:
-    return int(math.prod(input_shapes[0][1:]))
-  return 1
+def registered_factory(kind: str, approx: str) -> Optional[Factory]:
+  """The built-in factory the registry names for ``(kind, approx)``."""
+  name = kinds.KINDS[kind].factory(approx) if kind in kinds.KINDS else None
+  if name is None:
+    return None
+  module, function = name.rsplit(".", 1)
+  return getattr(importlib.import_module(f"{__name__}.{module}"), function)
 
 
-def make_block(layer: Layer, config: BlockConfig | None = None):
+def _override(layer: Layer, overrides: Optional[Mapping]) -> Optional[Factory]:
+  """The longest matching path prefix, else the ``(kind, approx)`` key."""
+  if not overrides:
+    return None
+  best = None
+  for key in overrides:
+    if isinstance(key, str) and any(p.startswith(key)
+                                    for p in layer.param_paths):
+      if best is None or len(key) > len(best):
+        best = key
+    elif not isinstance(key, (str, tuple)) or (
+        isinstance(key, tuple) and len(key) != 2):
+      raise TypeError(
+          f"overrides key {key!r}: use a (kind, approx) tuple or a "
+          "parameter-path prefix string (as jax.tree_util.keystr prints it).")
+  if best is not None:
+    return overrides[best]
+  return overrides.get((layer.kind, layer.approx))
+
+
+def make_block(layer: Layer, config: BlockConfig | None = None,
+               overrides: Optional[Mapping] = None):
   """The block for ``layer.kind`` and ``layer.approx``.
 
   A stacked layer (``layer.stack > 0``) gets a
-  :class:`~kfac_jax_lite.blocks.stacked.StackedBlock` around the block of
-  one slice.
+  :class:`~kfac_jax_lite.blocks.combinators.VmappedBlock` around the block of
+  one slice (an override's factory, too, builds the block of one slice).
 
   Args:
     layer: a static layer description (from :func:`kfac_jax_lite.scan`).
     config: options shared by every block; defaults to ``BlockConfig()``.
+    overrides: per-call user blocks, ``{key: factory}`` with ``factory(layer,
+      config) -> block`` and ``key`` a ``(kind, approx)`` tuple or a
+      parameter-path prefix (``"['params']['Dense_0']"``). The longest
+      matching prefix wins over a ``(kind, approx)`` key, which wins over
+      the registry. The block must follow :class:`.base.Block` (and be a
+      frozen dataclass with a ``layer`` field, so the estimator can group
+      equal blocks).
 
   Returns:
     A block (see :class:`~kfac_jax_lite.blocks.base.Block`).
@@ -118,18 +106,21 @@ def make_block(layer: Layer, config: BlockConfig | None = None):
   Raises:
     ValueError: when the layer's shapes or tag options do not fit its
       approximation (the message names the value and the fix).
-    NotImplementedError: for a (kind, approx) pair with no block yet.
+    NotImplementedError: for a (kind, approx) pair with no block.
   """
   config = config or BlockConfig()
   if layer.stack:
-    return stacked.StackedBlock(layer=layer, config=config,
-                                inner=make_block(layer.unstacked(), config),
-                                size=layer.stack)
-  factory = _FACTORIES.get((layer.kind, layer.approx))
+    return combinators.stacked_block(
+        layer, config, make_block(layer.unstacked(), config, overrides))
+  factory = (_override(layer, overrides) or
+             registered_factory(layer.kind, layer.approx))
   if factory is None:
-    done = sorted(a for k, a in _FACTORIES if k == layer.kind)
+    done = [a for a, _ in kinds.KINDS[layer.kind].factories
+            ] if layer.kind in kinds.KINDS else []
     raise NotImplementedError(
         f"Layer {layer.name!r}: approximation {layer.approx!r} for kind "
-        f"{layer.kind!r} has no block in this version (available: {done}). "
-        "Pass approximations={...} to scan() to choose another.")
+        f"{layer.kind!r} has no block (available: {sorted(done)}). Pass "
+        "approximations={...} to scan() to choose another, or a factory "
+        "in overrides={(kind, approx): factory}.")
   return factory(layer, config)
+

@@ -1,27 +1,33 @@
-"""The curvature-block interface and the data a block is given.
+"""The curvature-block protocols and the data a block is given.
 
 A block is a static, frozen object (closed over, never traced) whose methods
 are pure functions of a state pytree. The estimator hands each block a
 :class:`LayerData` per step; the block turns it into minibatch statistics
 (``compute_stats``), folds those into its factors with a zero-debiased EMA
 (``update_curvature``), refreshes cached inverses / powers / Cholesky factors
-(``update_cache``) and multiplies parameter-shaped vectors.
+(``update_cache``) and multiplies parameter-shaped vectors
+(``multiply_matpower``). :class:`Block` is that contract, plus
+``factors``/``with_factors``: the EMA'd statistics, which data parallelism
+averages across devices. Optional capabilities are protocols of their own:
+:class:`CholeskyProducts`, :class:`FactorBucketed` (a refresh factor by
+factor, batched across blocks) and :class:`FusedProduct` (a product whose
+last reshaping the caller makes).
 
 Vectors are tuples with the structure of ``layer.param_paths`` (e.g.
 ``(w, b)``); ``full_fisher_block`` is in ``ravel_pytree`` order of that
-tuple.
+tuple. Concrete blocks are final: the mixins below give shared methods that
+no block overrides.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 
 from kfac_jax_lite import linalg
-from kfac_jax_lite.collection import Layer
 
 DAMPING_TYPES = ("pi", "exact")
 
@@ -100,6 +106,23 @@ def check_exp(block, exp) -> float:
   return exp
 
 
+def unsupported(block, what: str, approx: str, exps: str, why: str,
+                fix: str = ""):
+  """Raises the ``ValueError`` of a product an approximation does not have.
+
+  Args:
+    block: the block (for its layer's name).
+    what: the call, e.g. ``"multiply_matpower(exp=0.5)"``.
+    approx: the approximation's name.
+    exps: what it supports, e.g. ``"exps -1 and 1"``.
+    why: the reason, in parentheses in the message.
+    fix: what to use instead (a sentence), if anything.
+  """
+  raise ValueError(
+      f"{what} on layer {layer_name(block)!r}: approximation {approx!r} "
+      f"supports {exps} only ({why}).{' ' + fix if fix else ''}")
+
+
 def check_cached(block, flag: str, what: str):
   if not getattr(block.config, flag):
     raise ValueError(
@@ -148,53 +171,159 @@ def rows_per_example(num_rows: int, batch_size: int, what: str) -> int:
   return num_rows // batch_size
 
 
-class Block:
-  """Interface of a curvature block (documentation only; see kronecker.py).
+def with_bias_row(m, b):
+  """``[W; b]``: ``m: [..., r, n]`` with the bias ``b`` (``n`` entries per
+  leading index) as one more row; ``m`` itself when ``b`` is None."""
+  if b is None:
+    return m
+  row = b.astype(m.dtype).reshape(m.shape[:-2] + (1, m.shape[-1]))
+  return jnp.concatenate([m, row], axis=-2)
 
-  Attributes every block has: ``layer`` (:class:`Layer`), ``config``
-  (:class:`BlockConfig`), ``needs_param_grads`` (bool). Optional:
-  ``factor_fields``, the names of the state fields holding EMA'd statistics
-  (averaged across replicas by ``stats_sync="before_refresh"``); by default
-  every field except ``weight``, ``damping`` and ``cache``.
+
+def split_bias_row(m, rows: int, has_bias: bool) -> tuple:
+  """``(W,)`` or ``(W, b)`` from ``[W; b]`` with ``rows`` rows in ``W``."""
+  w = m[..., :rows, :]
+  return (w, m[..., rows, :]) if has_bias else (w,)
+
+
+# ---------------------------------------------------------------------------
+# Protocols.
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Block(Protocol):
+  """What every curvature block does (``isinstance`` checks the names).
+
+  Attributes:
+    layer: the :class:`~kfac_jax_lite.layer.Layer` (None for a part of
+      another block).
+    config: the :class:`BlockConfig`.
+    needs_param_grads: whether ``compute_stats`` reads
+      ``LayerData.param_grads``.
   """
-  layer: Layer
+  layer: Any
   config: BlockConfig
-  needs_param_grads: bool = False
+  needs_param_grads: bool
 
-  def init(self) -> Any: ...
-  def compute_stats(self, data: LayerData) -> Any: ...
-  def update_curvature(self, state, stats, ema_decay) -> Any: ...
-  def update_cache(self, state, damping) -> Any: ...
-  def multiply_matpower(self, state, v: tuple, exp) -> tuple: ...
-  def multiply_cholesky(self, state, v, transpose=False) -> tuple: ...
-  def multiply_cholesky_inverse(self, state, v, transpose=False) -> tuple: ...
-  def full_fisher_block(self, state) -> jnp.ndarray: ...
+  def init(self) -> Any:
+    """The state before any update (zero factors, zero weight)."""
+
+  def compute_stats(self, data: LayerData) -> Any:
+    """This minibatch's statistics, a pytree like :meth:`factors`."""
+
+  def update_curvature(self, state, stats, ema_decay) -> Any:
+    """The zero-debiased EMA of the statistics; non-finite ones are
+    ignored."""
+
+  def update_cache(self, state, damping) -> Any:
+    """Caches what products with the damped block need."""
+
+  def multiply_matpower(self, state, v: tuple, exp) -> tuple:
+    """``(F + damping)^exp v`` (exp 1: the live factors)."""
+
+  def multiply(self, state, v: tuple) -> tuple:
+    """``multiply_matpower(state, v, 1)``."""
+
+  def multiply_inverse(self, state, v: tuple) -> tuple:
+    """``multiply_matpower(state, v, -1)``."""
+
+  def full_fisher_block(self, state) -> Any:
+    """The undamped dense block, in ravel order of the layer's params."""
+
+  def factors(self, state) -> Any:
+    """The EMA'd statistics (averaged across devices under ``pmap``)."""
+
+  def with_factors(self, state, factors) -> Any:
+    """``state`` with :meth:`factors` replaced."""
+
+
+@runtime_checkable
+class CholeskyProducts(Protocol):
+  """Products with a square-root factor ``C`` of the damped block."""
+
+  def multiply_cholesky(self, state, v: tuple, transpose: bool = False):
+    """``C v`` (``Cᵀ v``), ``C Cᵀ`` the damped block."""
+
+  def multiply_cholesky_inverse(self, state, v: tuple,
+                                transpose: bool = False):
+    """``C⁻¹ v`` (``C⁻ᵀ v``)."""
+
+
+@runtime_checkable
+class FactorBucketed(Protocol):
+  """A refresh made of independent damped matrix functions of factors, so
+  that a caller can batch the factors of many blocks by size."""
+  factor_options: tuple
+
+  def factor_requests(self, state) -> tuple:
+    """``((name, matrix), ...)``: the dense factors to refresh."""
+
+  def factor_dampings(self, state, damping, trace_norms: dict) -> dict:
+    """``{name: d}``: each factor's share of the damping."""
+
+  def factor_cache(self, f, d) -> dict:
+    """One factor's cache entries, a function of ``f`` and ``d`` only."""
+
+  def with_factor_caches(self, state, damping, caches: dict,
+                         dampings: Optional[dict] = None) -> Any:
+    """The refreshed state from every requested factor's cache."""
+
+
+@runtime_checkable
+class FusedProduct(Protocol):
+  """A product computed as a matrix and cut into parameters by the caller:
+  ``finish_product(multiply_matpower_raw(s, product_input(v), e), v)`` is
+  ``multiply_matpower(s, v, e)``."""
 
   def product_input(self, v: tuple) -> Any:
-    """What :meth:`multiply_matpower_raw` multiplies, made from the
-    layer's parameter tuple ``v``: ``v`` itself by default; the ``[d_a,
-    d_g]`` matrix for Kronecker blocks. The estimator makes it before the
-    product (:meth:`FisherEstimator.product_inputs`), so that a caller can
-    check it and multiply it without reading ``v`` twice."""
-    return v
+    """What :meth:`multiply_matpower_raw` multiplies."""
 
-  def multiply_matpower_raw(self, state, v: tuple, exp) -> Any:
-    """:meth:`multiply_matpower` before its last reshaping:
-    ``finish_product(multiply_matpower_raw(s, v, e), v)`` is
-    ``multiply_matpower(s, v, e)``. Blocks whose product is a matrix that
-    is cut into the layer's parameters (``[W; b]``) return the matrix, so
-    the cut can be made where it fuses with its consumer (the estimator
-    makes it after splitting a group's stacked results per layer)."""
-    return self.multiply_matpower(state, v, exp)
+  def multiply_matpower_raw(self, state, v, exp) -> Any:
+    """The product before its last reshaping."""
 
   def finish_product(self, raw, like: tuple) -> tuple:
-    """The layer's parameter tuple from :meth:`multiply_matpower_raw`
-    (``like``: the vector multiplied, for shapes and dtypes only)."""
-    del like
-    return raw
+    """The layer's parameter tuple from the raw product."""
+
+
+# ---------------------------------------------------------------------------
+# Mixins: shared, final methods.
+# ---------------------------------------------------------------------------
+
+
+class Shorthands:
+  """``multiply`` and ``multiply_inverse`` from ``multiply_matpower``."""
 
   def multiply(self, state, v):
     return self.multiply_matpower(state, v, 1)
 
   def multiply_inverse(self, state, v):
     return self.multiply_matpower(state, v, -1)
+
+
+class UnfusedProducts:
+  """The :class:`FusedProduct` methods of a block whose product needs no
+  cut: the input is ``v`` and the raw product is the finished one. Every
+  block has the three methods for callers that treat all blocks alike."""
+
+  def product_input(self, v: tuple) -> Any:
+    return v
+
+  def multiply_matpower_raw(self, state, v: tuple, exp) -> Any:
+    return self.multiply_matpower(state, v, exp)
+
+  def finish_product(self, raw, like: tuple) -> tuple:
+    del like
+    return raw
+
+
+class FieldFactors:
+  """``factors``/``with_factors`` of a NamedTuple state whose fields named
+  in the block's ``factor_fields`` hold the EMA'd statistics."""
+  factor_fields: tuple
+
+  def factors(self, state) -> dict:
+    return {k: getattr(state, k) for k in self.factor_fields}
+
+  def with_factors(self, state, factors: dict):
+    return state._replace(**factors)

@@ -38,7 +38,7 @@ from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import diagonal
 from kfac_jax_lite.blocks import kronecker
 from kfac_jax_lite.blocks import per_example
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 # ---------------------------------------------------------------------------
@@ -229,18 +229,12 @@ class ConvLayout:
     return self.num_uses
 
   def to_mat(self, v: tuple):
-    dt = linalg.factor_dtype()
-    m = self.geometry.kernel_to_mat(v[0].astype(dt))
-    if self.has_bias:
-      m = jnp.concatenate([m, v[1].astype(dt).reshape(1, -1)], axis=0)
-    return m
+    m = self.geometry.kernel_to_mat(v[0].astype(linalg.factor_dtype()))
+    return base.with_bias_row(m, v[1] if self.has_bias else None)
 
   def from_mat(self, m, like: tuple) -> tuple:
-    k = self.geometry.patch_size
-    out = (self.geometry.mat_to_kernel(m[:k]),)
-    if self.has_bias:
-      out += (m[k],)
-    return base.vector_dtype_cast(out, like)
+    w, *b = base.split_bias_row(m, self.geometry.patch_size, self.has_bias)
+    return base.vector_dtype_cast((self.geometry.mat_to_kernel(w), *b), like)
 
   def ravel_index(self):
     """Ravel position of each ``[W_mat; b]`` entry (None for HWIO-like)."""
@@ -273,31 +267,25 @@ class ConvGrads:
     x = self.geometry.site_patches(data, self.has_bias)
     g = self.geometry.site_grads(data)
     m = jnp.einsum("brp,sbro->sbpo", x, g)
-    m = per_example.fold_sources(m)
-    k = self.geometry.patch_size
-    out = (self.geometry.mat_to_kernel(m[:, :k]),)
-    if self.has_bias:
-      out += (m[:, k],)
-    return out
+    w, *b = base.split_bias_row(per_example.fold_sources(m),
+                                self.geometry.patch_size, self.has_bias)
+    return (self.geometry.mat_to_kernel(w), *b)
 
   def sum_squares(self, data: base.LayerData) -> tuple:
     return per_example.squares_of(self.per_example(data))
 
 
-def conv_has_bias(layer: Layer) -> bool:
-  """A conv tag's params are ``(w,)`` or ``(w, b)``."""
-  return len(layer.param_shapes) == 2
-
-
 def conv_kron_block(layer: Layer, config: base.BlockConfig):
   """KFC block (``kron``; ``kron_indep`` for a multi-use conv)."""
-  layout = ConvLayout(conv_geometry(layer), conv_has_bias(layer),
+  layout = ConvLayout(conv_geometry(layer), layer.has_bias,
                       layer.num_uses)
   return kronecker.KroneckerBlock(layer=layer, config=config, layout=layout)
 
 
-def conv_diagonal_block(layer: Layer, config: base.BlockConfig):
-  """Exact diagonal of the per-example Fisher of a conv layer."""
-  source = ConvGrads(conv_geometry(layer), conv_has_bias(layer))
-  return diagonal.DiagonalBlock(layer=layer, config=config, source=source,
-                                param_shapes=layer.param_shapes)
+def conv_grads(layer: Layer) -> ConvGrads:
+  """The per-example source of a conv layer."""
+  return ConvGrads(conv_geometry(layer), layer.has_bias)
+
+
+# Exact diagonal of the per-example Fisher of a conv layer.
+conv_diagonal_block = per_example.factory(diagonal.DiagonalBlock, conv_grads)

@@ -54,19 +54,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import combinators
 from kfac_jax_lite.blocks import conv
 from kfac_jax_lite.blocks import diagonal
 from kfac_jax_lite.blocks import kronecker
 from kfac_jax_lite.blocks import per_example
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 def _data_format(layer: Layer) -> str:
@@ -131,8 +130,7 @@ class DepthwiseLayout:
     return idx.reshape(self.channels, -1)
 
 
-def depthwise_layout(layer: Layer, kernel_shape=None,
-                     has_bias=None) -> DepthwiseLayout:
+def depthwise_layout(layer: Layer) -> DepthwiseLayout:
   """The :class:`DepthwiseLayout` of a depthwise layer from its metadata.
 
   A ``feature_group_count`` in the metadata (a recognised
@@ -143,9 +141,8 @@ def depthwise_layout(layer: Layer, kernel_shape=None,
     ValueError: for a kernel whose shape does not fit its layout (e.g. a
       grouped conv with ``1 < feature_group_count < C``).
   """
-  shape = tuple(kernel_shape or layer.param_shapes[0])
-  if has_bias is None:
-    has_bias = len(layer.param_shapes) == 2
+  shape = tuple(layer.param_shapes[0])
+  has_bias = layer.has_bias
   meta = layer.meta_dict
   if "feature_group_count" not in meta:
     if len(shape) != 4:
@@ -202,29 +199,21 @@ class DepthwiseGrads:
 
 
 @dataclasses.dataclass(frozen=True)
-class DepthwiseKronBlock(base.Block):
-  """``C`` independent Kronecker blocks ``c Ω_cc ⊗ Γ_cc`` (module docstring).
-
-  The state is a :class:`~.kronecker.KroneckerState` with a leading channel
-  axis; ``inner`` (a :class:`~.kronecker.KroneckerBlock` on ``[K(+1), M]``
-  matrices) is ``vmap``-ped over it.
-  """
-  layer: Layer
-  config: base.BlockConfig
+class ChannelAxis:
+  """The channel axis of a depthwise ``kron`` block: ``C`` Kronecker blocks
+  ``c Ω_cc ⊗ Γ_cc`` on ``[K(+1), M]`` matrices (module docstring), for
+  :class:`~.combinators.VmappedBlock`. The channels are one layer: a
+  non-finite statistic leaves them all unchanged."""
   source: DepthwiseGrads
-  inner: kronecker.KroneckerBlock
-  needs_param_grads = False
+  all_or_nothing = True
 
   @property
   def _layout(self) -> DepthwiseLayout:
     return self.source.layout
 
-  def init(self):
-    c = self._layout.channels
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (c,) + x.shape),
-                        self.inner.init())
-
-  def compute_stats(self, data: base.LayerData) -> dict:
+  def stats(self, inner, data: base.LayerData) -> dict:
+    """Every channel's ``{"a", "g", "scale"}`` at once, ``[C, ...]``."""
+    del inner
     x, g = self.source.rows(data)
     if self._layout.has_bias:
       x = jnp.concatenate([x, jnp.ones(x.shape[:2] + (1,) + x.shape[3:],
@@ -237,56 +226,22 @@ class DepthwiseKronBlock(base.Block):
     scale = jnp.full((self._layout.channels,), r, linalg.factor_dtype())
     return {"a": sym(a), "g": sym(g), "scale": scale}
 
-  def update_curvature(self, state, stats, ema_decay):
-    new = jax.vmap(self.inner.update_curvature, (0, 0, None))(
-        state, stats, ema_decay)
-    finite = linalg.all_finite(stats)
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-
-  def update_cache(self, state, damping):
-    return jax.vmap(self.inner.update_cache, (0, None))(state, damping)
-
-  def _per_channel(self, fn, state, v):
-    """Applies ``fn(state_c, (v_c,))`` per channel, ``v_c: [K(+1), M]``."""
+  def to_axis(self, v: tuple) -> tuple:
+    """``(w[, b])`` -> ``([C, K(+1), M],)``: channel ``c``'s ``[w_c; b_c]``."""
     lay = self._layout
     dt = linalg.factor_dtype()
     vc = jnp.moveaxis(lay.canonical(v[0].astype(dt)), 1, 0)   # [C, K, M]
-    if lay.has_bias:
-      b = v[1].astype(dt).reshape(lay.channels, 1, lay.multiplier)
-      vc = jnp.concatenate([vc, b], axis=1)
-    out = jax.vmap(lambda s, x: fn(s, (x,))[0])(state, vc)
-    res = (lay.stored(jnp.moveaxis(out[:, :lay.window], 0, 1)),)
-    if lay.has_bias:
-      res += (out[:, lay.window],)
-    return base.vector_dtype_cast(res, v)
+    b = v[1].astype(dt) if lay.has_bias else None
+    return (base.with_bias_row(vc, b),)
 
-  def multiply_matpower(self, state, v, exp):
-    exp = base.check_exp(self, exp)
-    return self._per_channel(
-        lambda s, x: self.inner.multiply_matpower(s, x, exp), state, v)
+  def from_axis(self, out: tuple, like: tuple) -> tuple:
+    lay = self._layout
+    w, *b = base.split_bias_row(out[0], lay.window, lay.has_bias)
+    res = (lay.stored(jnp.moveaxis(w, 0, 1)), *b)
+    return base.vector_dtype_cast(res, like)
 
-  def multiply_cholesky(self, state, v, transpose=False):
-    if self.config.damping_type == "pi":
-      base.check_cached(self, "compute_cholesky", "multiply_cholesky")
-    return self._per_channel(
-        lambda s, x: self.inner.multiply_cholesky(s, x, transpose), state, v)
-
-  def multiply_cholesky_inverse(self, state, v, transpose=False):
-    if self.config.damping_type == "pi":
-      base.check_cached(self, "compute_cholesky_inverse",
-                        "multiply_cholesky_inverse")
-    return self._per_channel(
-        lambda s, x: self.inner.multiply_cholesky_inverse(s, x, transpose),
-        state, v)
-
-  def full_fisher_block(self, state):
-    """Block-diagonal over channels, in ravel order of the params."""
-    blocks = jax.vmap(self.inner.full_fisher_block)(state)
-    idx = self._layout.channel_index()
-    size = idx.size
-    idx = jnp.asarray(idx)
-    out = jnp.zeros((size, size), blocks.dtype)
-    return out.at[idx[:, :, None], idx[:, None, :]].set(blocks)
+  def ravel_index(self) -> np.ndarray:
+    return self._layout.channel_index()
 
 
 def _check_params(layer: Layer):
@@ -314,8 +269,8 @@ def depthwise_kron_block(layer: Layer, config: base.BlockConfig):
                                   g_dim=lay.multiplier,
                                   init_scale=layer.num_uses)
   inner = kronecker.KroneckerBlock(layer=None, config=config, layout=matrix)
-  return DepthwiseKronBlock(layer=layer, config=config, source=source,
-                            inner=inner)
+  return combinators.VmappedBlock(layer=layer, config=config, inner=inner,
+                                  size=lay.channels, axis=ChannelAxis(source))
 
 
 # ---------------------------------------------------------------------------
@@ -324,21 +279,10 @@ def depthwise_kron_block(layer: Layer, config: base.BlockConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class SeparableConvBlock(base.Block):
-  """``blockdiag(F_depthwise, F_pointwise)`` for ``(dw, pw[, b])``.
-
-  Both parts are ordinary blocks (without a layer of their own) fed with
-  re-arranged :class:`~.base.LayerData`; the state is their pair.
-  """
-  layer: Layer
-  config: base.BlockConfig
-  depthwise: Any
-  pointwise: Any
+class SeparableSplit:
+  """A separable conv's data for its parts (``depthwise``, ``pointwise``):
+  the depthwise part's output gradient is ``g_dw = g_y W_pwᵀ``."""
   channel_axis: int   # of the output y, per example (3 for NHWC, 1 NCHW)
-  needs_param_grads = False
-
-  def init(self):
-    return (self.depthwise.init(), self.pointwise.init())
 
   def _depthwise_grads(self, g, pw):
     """``g_dw = g_y W_pwᵀ`` for ``g: [S, B, U, *y_shape[1:]]``."""
@@ -348,7 +292,7 @@ class SeparableConvBlock(base.Block):
     out = jnp.moveaxis(g.astype(dt), axis, -1) @ w.T
     return jnp.moveaxis(out, -1, axis)
 
-  def compute_stats(self, data: base.LayerData) -> tuple:
+  def data(self, data: base.LayerData) -> tuple:
     pw = data.params[1]
     dw_data = data._replace(
         inputs=tuple((inp[0],) for inp in data.inputs),
@@ -356,46 +300,7 @@ class SeparableConvBlock(base.Block):
         params=data.params[:1])
     pw_data = data._replace(inputs=tuple((inp[1],) for inp in data.inputs),
                             params=data.params[1:])
-    return (self.depthwise.compute_stats(dw_data),
-            self.pointwise.compute_stats(pw_data))
-
-  def update_curvature(self, state, stats, ema_decay):
-    return (self.depthwise.update_curvature(state[0], stats[0], ema_decay),
-            self.pointwise.update_curvature(state[1], stats[1], ema_decay))
-
-  def update_cache(self, state, damping):
-    return (self.depthwise.update_cache(state[0], damping),
-            self.pointwise.update_cache(state[1], damping))
-
-  def _both(self, fn, state, v):
-    return (fn(self.depthwise, state[0], v[:1]) +
-            fn(self.pointwise, state[1], v[1:]))
-
-  def multiply_matpower(self, state, v, exp):
-    exp = base.check_exp(self, exp)
-    return self._both(lambda b, s, x: b.multiply_matpower(s, x, exp),
-                      state, v)
-
-  def _check_cholesky(self, flag, what):
-    if (self.config.damping_type == "pi" and
-        isinstance(self.pointwise, kronecker.KroneckerBlock)):
-      base.check_cached(self, flag, what)
-
-  def multiply_cholesky(self, state, v, transpose=False):
-    self._check_cholesky("compute_cholesky", "multiply_cholesky")
-    return self._both(lambda b, s, x: b.multiply_cholesky(s, x, transpose),
-                      state, v)
-
-  def multiply_cholesky_inverse(self, state, v, transpose=False):
-    self._check_cholesky("compute_cholesky_inverse",
-                         "multiply_cholesky_inverse")
-    return self._both(
-        lambda b, s, x: b.multiply_cholesky_inverse(s, x, transpose), state, v)
-
-  def full_fisher_block(self, state):
-    return jax.scipy.linalg.block_diag(
-        self.depthwise.full_fisher_block(state[0]),
-        self.pointwise.full_fisher_block(state[1]))
+    return dw_data, pw_data
 
 
 def separable_block(layer: Layer, config: base.BlockConfig):
@@ -428,9 +333,10 @@ def separable_block(layer: Layer, config: base.BlockConfig):
                  meta=pw_meta)
   make_pw = (conv.conv_kron_block if layer.approx == "kron"
              else conv.conv_diagonal_block)
-  strip = lambda b: dataclasses.replace(b, layer=None)  # noqa: E731
-  return SeparableConvBlock(
+  parts = (depthwise_diagonal_block(dw_layer, config),
+           make_pw(pw_layer, config))
+  return combinators.BlockDiagonal(
       layer=layer, config=config,
-      depthwise=strip(depthwise_diagonal_block(dw_layer, config)),
-      pointwise=strip(make_pw(pw_layer, config)),
-      channel_axis=3 if fmt == "NHWC" else 1)
+      parts=tuple(dataclasses.replace(b, layer=None) for b in parts),
+      param_counts=(1, len(shapes) - 1),
+      split=SeparableSplit(channel_axis=3 if fmt == "NHWC" else 1))

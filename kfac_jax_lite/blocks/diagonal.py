@@ -16,7 +16,6 @@ irrelevant) and their inverses are elementwise and computed on the fly.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import per_example
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 class DiagonalState(NamedTuple):
@@ -35,20 +34,14 @@ class DiagonalState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class DiagonalBlock(base.Block):
+class DiagonalBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors,
+                    per_example.FromSource):
   """Diagonal Fisher block from a source of per-example gradients."""
   layer: Layer
   config: base.BlockConfig
   source: Any
   param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
-
-  @property
-  def num_params(self) -> int:
-    return sum(int(math.prod(s)) for s in self.param_shapes)
-
-  @property
-  def needs_param_grads(self) -> bool:
-    return self.source.needs_param_grads
+  factor_fields = ("diag",)
 
   def init(self) -> DiagonalState:
     dt = linalg.factor_dtype()
@@ -60,7 +53,7 @@ class DiagonalBlock(base.Block):
     return {"diag": base.ravel(sq) / data.batch_size}
 
   def update_curvature(self, state, stats, ema_decay):
-    return base.ema_update(state, ("diag",), stats, ema_decay)
+    return base.ema_update(state, self.factor_fields, stats, ema_decay)
 
   def update_cache(self, state, damping):
     return state._replace(damping=jnp.asarray(damping, state.damping.dtype))
@@ -84,27 +77,9 @@ class DiagonalBlock(base.Block):
     return jnp.diag(state.diag)
 
 
-def naive_diagonal_block(layer: Layer, config: base.BlockConfig):
-  """Generic parameters: the diagonal of the "square of the sum" estimate."""
-  return DiagonalBlock(layer=layer, config=config,
-                       source=per_example.ParamGrads(),
-                       param_shapes=layer.param_shapes)
-
-
-def dense_diagonal_block(layer: Layer, config: base.BlockConfig):
-  """Dense layer: the exact diagonal of the per-example Fisher."""
-  d_in, d_out = _dense_kernel_shape(layer)
-  return DiagonalBlock(
-      layer=layer, config=config,
-      source=per_example.DenseGrads(d_in, d_out, layer.has_bias),
-      param_shapes=layer.param_shapes)
-
-
-def _dense_kernel_shape(layer: Layer) -> tuple:
-  shape = layer.param_shapes[0]
-  if len(shape) != 2:
-    raise ValueError(
-        f"Layer {layer.name!r} has kernel shape {shape}; register_dense "
-        "needs a rank-2 [d_in, d_out] kernel. Reshape it, or register it "
-        "with register_generic(...).")
-  return shape
+# Generic parameters: the diagonal of the "square of the sum" estimate.
+naive_diagonal_block = per_example.factory(DiagonalBlock,
+                                           per_example.param_grads)
+# Dense layer: the exact diagonal of the per-example Fisher.
+dense_diagonal_block = per_example.factory(DiagonalBlock,
+                                           per_example.dense_grads)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import kronecker
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ uses the live ``F`` and the last damping.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import per_example
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 class FullState(NamedTuple):
@@ -36,20 +35,14 @@ class FullState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class FullBlock(base.Block):
+class FullBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors,
+                per_example.FromSource):
   """Dense Fisher block from a source of per-example gradients."""
   layer: Layer
   config: base.BlockConfig
   source: Any
   param_shapes: tuple   # equal blocks (up to layer) must act on equal shapes
-
-  @property
-  def num_params(self) -> int:
-    return sum(int(math.prod(s)) for s in self.param_shapes)
-
-  @property
-  def needs_param_grads(self) -> bool:
-    return self.source.needs_param_grads
+  factor_fields = ("f",)
 
   def _cache_names(self):
     names = [f"^{e:g}" for e in self.config.cached_exps]
@@ -73,7 +66,7 @@ class FullBlock(base.Block):
     return {"f": linalg.symmetrize(rows.T @ rows) / data.batch_size}
 
   def update_curvature(self, state, stats, ema_decay):
-    return base.ema_update(state, ("f",), stats, ema_decay)
+    return base.ema_update(state, self.factor_fields, stats, ema_decay)
 
   def update_cache(self, state, damping):
     damping = jnp.asarray(damping, linalg.factor_dtype())
@@ -117,22 +110,7 @@ class FullBlock(base.Block):
     return state.f
 
 
-def naive_full_block(layer: Layer, config: base.BlockConfig):
-  """Generic parameters: the "square of the sum" full estimate."""
-  return FullBlock(layer=layer, config=config,
-                   source=per_example.ParamGrads(),
-                   param_shapes=layer.param_shapes)
-
-
-def dense_full_block(layer: Layer, config: base.BlockConfig):
-  """Dense layer: the per-example Fisher of ``(w, b)``, exact."""
-  shape = layer.param_shapes[0]
-  if len(shape) != 2:
-    raise ValueError(
-        f"Layer {layer.name!r} has kernel shape {shape}; register_dense "
-        "needs a rank-2 [d_in, d_out] kernel. Reshape it, or register it "
-        "with register_generic(...).")
-  return FullBlock(
-      layer=layer, config=config,
-      source=per_example.DenseGrads(shape[0], shape[1], layer.has_bias),
-      param_shapes=layer.param_shapes)
+# Generic parameters: the "square of the sum" full estimate.
+naive_full_block = per_example.factory(FullBlock, per_example.param_grads)
+# Dense layer: the per-example Fisher of ``(w, b)``, exact.
+dense_full_block = per_example.factory(FullBlock, per_example.dense_grads)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 class KroneckerState(NamedTuple):
@@ -57,12 +57,10 @@ def second_moment(rows, diagonal):
 
   Not symmetrised here: every consumer of a factor's inverse or
   eigenbasis symmetrises it once per refresh (:mod:`kfac_jax_lite.linalg`),
-  and dropping the transpose-and-add pass over every factor at every step
-  made a ``kfac`` step 6–13% faster (MLP and autoencoder of
-  ``benchmarks/step_time.py``, side by side). The rows are scaled by
-  ``1/√N`` before the product, where the scaling fuses into the kernel
-  that makes them, instead of dividing the product (one kernel less per
-  factor to compile).
+  which saves a pass over every factor at every step
+  (docs/performance.md#unsymmetrised-factors). The rows are scaled by
+  ``1/√N`` before the product, where the scaling fuses into the kernel that
+  makes them (one kernel less per factor to compile).
   """
   n = rows.shape[0]
   if diagonal:
@@ -129,13 +127,11 @@ class DenseLayout:
 
   def to_mat(self, v: tuple):
     w = v[0].astype(linalg.factor_dtype()).reshape(self.d_in, self.d_out)
-    if self.has_bias:
-      w = jnp.concatenate([w, v[1].astype(w.dtype).reshape(1, -1)], axis=0)
-    return w
+    return base.with_bias_row(w, v[1] if self.has_bias else None)
 
   def from_mat(self, m, like: tuple) -> tuple:
-    out = (m[: self.d_in],) + ((m[self.d_in],) if self.has_bias else ())
-    return base.vector_dtype_cast(out, like)
+    return base.vector_dtype_cast(
+        base.split_bias_row(m, self.d_in, self.has_bias), like)
 
   def ravel_index(self):
     return None  # [w; b] row-major is the ravel order of (w, b).
@@ -194,14 +190,20 @@ def _add_diag(f, d):
 
 
 @dataclasses.dataclass(frozen=True)
-class KroneckerBlock(base.Block):
-  """``c · A ⊗ G`` with optional diagonal factors. See the module docstring."""
+class KroneckerBlock(base.Shorthands, base.FieldFactors):
+  """``c · A ⊗ G`` with optional diagonal factors. See the module docstring.
+
+  Besides :class:`~.base.Block` it has every capability:
+  :class:`~.base.CholeskyProducts`, :class:`~.base.FactorBucketed` and
+  :class:`~.base.FusedProduct` (its product is the ``[d_a, d_g]`` matrix).
+  """
   layer: Layer
   config: base.BlockConfig
   layout: Any
   a_diagonal: bool = False
   g_diagonal: bool = False
   needs_param_grads = False
+  factor_fields = ("a", "g", "scale")
 
   # ---- state -----------------------------------------------------------
   def _factor_zeros(self, dim, diagonal):
@@ -235,10 +237,7 @@ class KroneckerBlock(base.Block):
     return self.layout.factor_stats(data, self.a_diagonal, self.g_diagonal)
 
   def update_curvature(self, state, stats, ema_decay):
-    return base.ema_update(state, ("a", "g", "scale"), stats, ema_decay)
-
-  def _split_damping(self, state, damping):
-    return linalg.pi_adjusted_damping(state.a, state.g, damping / state.scale)
+    return base.ema_update(state, self.factor_fields, stats, ema_decay)
 
   def update_cache(self, state, damping):
     damping = jnp.asarray(damping, linalg.factor_dtype())
@@ -372,8 +371,8 @@ class KroneckerBlock(base.Block):
 
   def multiply_matpower_raw(self, state, v, exp):
     """``F̂^exp v`` as the ``[d_a, d_g]`` matrix (see
-    :meth:`base.Block.multiply_matpower_raw`); ``v`` is the parameter
-    tuple or its :meth:`product_input`."""
+    :class:`base.FusedProduct`); ``v`` is the parameter tuple or its
+    :meth:`product_input`."""
     exp = base.check_exp(self, exp)
     m = self.product_input(v) if isinstance(v, tuple) else v
     c = state.scale
@@ -382,10 +381,10 @@ class KroneckerBlock(base.Block):
         out = c * linalg.matmul_right(linalg.matmul_left(state.a, m), state.g)
         out = out + state.damping * m
       else:
-        da, dg = self._split_damping(state, state.damping)
+        d = self.factor_dampings(state, state.damping, {})
         out = c * linalg.matmul_right(
-            linalg.matmul_left(_add_diag(state.a, da), m),
-            _add_diag(state.g, dg))
+            linalg.matmul_left(_add_diag(state.a, d["a"]), m),
+            _add_diag(state.g, d["g"]))
     elif self.config.damping_type == "exact":
       spec, ua, ug = self._exact_spectrum(state)
       out = self._rotate(self._rotate(m, ua, ug, True) * jnp.power(spec, exp),

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import kronecker
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 class SeriesState(NamedTuple):
@@ -121,13 +121,14 @@ def _option2_factor(c0, c1, damping):
 
 
 @dataclasses.dataclass(frozen=True)
-class SeriesBlock(base.Block):
+class SeriesBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
   """``kron_series_1`` (option=1) or ``kron_series_2`` (option=2)."""
   layer: Layer
   config: base.BlockConfig
   layout: kronecker.DenseLayout
   option: int
   needs_param_grads = False
+  factor_fields = ("a0", "a1", "g0", "g1")
 
   @property
   def _t(self) -> int:
@@ -179,7 +180,7 @@ class SeriesBlock(base.Block):
         "g1": lag(g, "sbtd,sbte->de")}
 
   def update_curvature(self, state, stats, ema_decay):
-    return base.ema_update(state, ("a0", "a1", "g0", "g1"), stats, ema_decay)
+    return base.ema_update(state, self.factor_fields, stats, ema_decay)
 
   def update_cache(self, state, damping):
     damping = jnp.asarray(damping, linalg.factor_dtype())
@@ -197,12 +198,11 @@ class SeriesBlock(base.Block):
     return state._replace(cache=cache, damping=damping)
 
   def _unsupported(self, what):
-    extra = " and 1" if self.option == 1 else ""
-    raise ValueError(
-        f"{what} on layer {base.layer_name(self)!r}: approximation "
-        f"{self._approx!r} supports exp -1{extra} only (Martens, Ba & "
-        "Johnson 2018 give a closed form for the inverse). Use "
-        "approx='kron_indep' for other powers or Cholesky factors.")
+    base.unsupported(
+        self, what, self._approx,
+        "exp -1 and 1" if self.option == 1 else "exp -1",
+        "Martens, Ba & Johnson 2018 give a closed form for the inverse",
+        "Use approx='kron_indep' for other powers or Cholesky factors.")
 
   def multiply_matpower(self, state, v, exp):
     """``F̂^{-1} v`` (and ``F̂ v`` for option 1), from the cache."""

@@ -27,11 +27,13 @@ parameter, the sum of the squared rows).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
+from kfac_jax_lite.layer import Layer
 
 
 def squares_of(per_example: tuple) -> tuple:
@@ -47,6 +49,19 @@ def fold_sources(x):
 def site_rows(x, batch_axes: int, d: int):
   """``[*lead, U, ..., d] -> [*lead, R, d]`` (``lead`` = the first axes)."""
   return x.reshape(x.shape[:batch_axes] + (-1, d))
+
+
+class FromSource:
+  """What a block fed by a per-example ``source`` over ``param_shapes``
+  derives from them (diagonal and full blocks)."""
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(math.prod(s)) for s in self.param_shapes)
+
+  @property
+  def needs_param_grads(self) -> bool:
+    return self.source.needs_param_grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,3 +120,33 @@ class DenseGrads:
     if self.has_bias:
       out += (jnp.sum(g2, axis=(0, 1)),)
     return out
+
+
+def factory(block_cls, source_of):
+  """The factory ``(layer, config) -> block_cls(...)`` of a block fed by the
+  source ``source_of(layer)`` (diagonal and full blocks)."""
+  def make(layer: Layer, config: base.BlockConfig):
+    return block_cls(layer=layer, config=config, source=source_of(layer),
+                     param_shapes=layer.param_shapes)
+  return make
+
+
+def param_grads(layer: Layer) -> ParamGrads:
+  """The square-of-the-sum source of a generic layer."""
+  del layer
+  return ParamGrads()
+
+
+def dense_grads(layer: Layer) -> DenseGrads:
+  """The :class:`DenseGrads` of a dense layer with a rank-2 kernel.
+
+  Raises:
+    ValueError: for a kernel that is not ``[d_in, d_out]``.
+  """
+  shape = layer.param_shapes[0]
+  if len(shape) != 2:
+    raise ValueError(
+        f"Layer {layer.name!r} has kernel shape {shape}; register_dense "
+        "needs a rank-2 [d_in, d_out] kernel. Reshape it, or register it "
+        "with register_generic(...).")
+  return DenseGrads(shape[0], shape[1], layer.has_bias)

@@ -25,7 +25,7 @@ from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import diagonal
 from kfac_jax_lite.blocks import full
 from kfac_jax_lite.blocks import per_example
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 def _reduce_to(x, shape: tuple):
@@ -81,14 +81,6 @@ def _source(layer: Layer) -> ScaleShiftGrads:
   return ScaleShiftGrads(tuple(tuple(s) for s in layer.param_shapes))
 
 
-def scale_and_shift_full_block(layer: Layer, config: base.BlockConfig):
-  """``full`` block of ``(scale[, shift])``."""
-  return full.FullBlock(layer=layer, config=config, source=_source(layer),
-                        param_shapes=layer.param_shapes)
-
-
-def scale_and_shift_diagonal_block(layer: Layer, config: base.BlockConfig):
-  """``diagonal`` block of ``(scale[, shift])``."""
-  return diagonal.DiagonalBlock(layer=layer, config=config,
-                                source=_source(layer),
-                                param_shapes=layer.param_shapes)
+scale_and_shift_full_block = per_example.factory(full.FullBlock, _source)
+scale_and_shift_diagonal_block = per_example.factory(diagonal.DiagonalBlock,
+                                                     _source)

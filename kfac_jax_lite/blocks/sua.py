@@ -52,7 +52,7 @@ from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import conv
 from kfac_jax_lite.blocks import kronecker
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 
 class SUAState(NamedTuple):
@@ -100,12 +100,13 @@ class _Root:
 
 
 @dataclasses.dataclass(frozen=True)
-class SUAConvBlock(base.Block):
+class SUAConvBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
   """Conv ``kron_sua`` block; see the module docstring."""
   layer: Layer
   config: base.BlockConfig
   layout: conv.ConvLayout
   needs_param_grads = False
+  factor_fields = ("s", "mu", "g", "scale")
 
   @property
   def _dims(self):
@@ -144,7 +145,7 @@ class SUAConvBlock(base.Block):
             "scale": jnp.asarray(c, dt)}
 
   def update_curvature(self, state, stats, ema_decay):
-    return base.ema_update(state, ("s", "mu", "g", "scale"), stats, ema_decay)
+    return base.ema_update(state, self.factor_fields, stats, ema_decay)
 
   # ---- Ω -----------------------------------------------------------------
   def _sigma(self, state):
@@ -210,10 +211,9 @@ class SUAConvBlock(base.Block):
 
   # ---- products ------------------------------------------------------------
   def _unsupported(self, what):
-    raise ValueError(
-        f"{what} on layer {base.layer_name(self)!r}: approximation "
-        "'kron_sua' supports exps -1 and 1 only (its inverse is a "
-        "Sherman-Morrison update). Use approx='kron' for other powers.")
+    base.unsupported(self, what, "kron_sua", "exps -1 and 1",
+                     "its inverse is a Sherman-Morrison update",
+                     "Use approx='kron' for other powers.")
 
   def multiply_matpower(self, state, v, exp):
     """``F̂^exp v`` for exp 1 (live factors) and -1 (cache)."""
@@ -294,5 +294,5 @@ class SUAConvBlock(base.Block):
 def conv_sua_block(layer: Layer, config: base.BlockConfig) -> SUAConvBlock:
   """The ``kron_sua`` block of a conv layer."""
   layout = conv.ConvLayout(conv.conv_geometry(layer),
-                           conv.conv_has_bias(layer), layer.num_uses)
+                           layer.has_bias, layer.num_uses)
   return SUAConvBlock(layer=layer, config=config, layout=layout)

@@ -77,7 +77,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import kronecker
-from kfac_jax_lite.collection import Layer
+from kfac_jax_lite.layer import Layer
 
 _FACTORS = ("lookup_v", "lookup_d", "attend_v", "attend_d", "lookup_scale",
             "attend_scale")
@@ -107,7 +107,8 @@ def _rows(parts, empty_shape, dtype, axis=0):
 
 
 @dataclasses.dataclass(frozen=True)
-class TiedEmbeddingBlock(base.Block):
+class TiedEmbeddingBlock(base.Shorthands, base.UnfusedProducts,
+                         base.FieldFactors):
   """``c_e diag(a) ⊗ G + c_o diag(r) ⊗ X`` (see the module docstring)."""
   layer: Layer
   config: base.BlockConfig
@@ -205,10 +206,9 @@ class TiedEmbeddingBlock(base.Block):
       t = state.cache["t"]
       out = ((y @ t) / self._spectrum(state)) @ t.T
     else:
-      raise ValueError(
-          f"multiply_matpower(exp={exp:g}) on layer {base.layer_name(self)!r}"
-          ": approximation 'kron_sum' supports exps -1 and 1 only (a sum of "
-          "two Kronecker products has no closed-form matrix powers).")
+      base.unsupported(
+          self, f"multiply_matpower(exp={exp:g})", "kron_sum", "exps -1 and 1",
+          "a sum of two Kronecker products has no closed-form matrix powers")
     return base.vector_dtype_cast((out,), v)
 
   def multiply_cholesky(self, state, v, transpose=False):

@@ -9,11 +9,10 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import collection as collection_lib
+from kfac_jax_lite import kinds as kinds_lib
 from kfac_jax_lite.scanner.facts import Site
 from kfac_jax_lite.scanner.facts import TIED_HINT
-from kfac_jax_lite.scanner.facts import TIED_KINDS
 from kfac_jax_lite.scanner.walk import find_sites
 from kfac_jax_lite.scanner.walk import select
 from kfac_jax_lite.scanner.walk import trace_order
@@ -22,7 +21,7 @@ from kfac_jax_lite.scanner.walk import trace_order
 def _site_uses(site: Site) -> int:
   """Uses from one site: the non-stack scan steps x the kind's inner uses."""
   steps = [n for j, n in enumerate(site.scan_lengths) if j != site.stack]
-  return int(math.prod(steps)) * blocks_lib.inner_uses(
+  return int(math.prod(steps)) * kinds_lib.inner_uses(
       site.kind, tuple(a.shape for a in site.input_avals))
 
 
@@ -127,7 +126,8 @@ def _auto_layers(sites, leaf_paths, bad):
                 f"{', '.join(s.key for s in gsites[:3])}: {TIED_HINT}, but "
                 "the table is not also looked up by ids; write x @ w with a "
                 "[d_in, d_out] kernel")
-    elif reason is None and len(kinds) > 1 and kinds != TIED_KINDS:
+    elif (reason is None and len(kinds) > 1 and
+          kinds_lib.joined_kind(kinds) is None):
       reason = f"{what}: a layer must be used as one kind"
     elif reason is None and len({s.stack is None for s in gsites}) > 1:
       reason = f"{what}, both sliced by lax.scan (stacked) and used whole"
@@ -144,7 +144,7 @@ def _auto_layers(sites, leaf_paths, bad):
 
 def _make_layer(group, gsites, found_by, leaves, leaf_paths, approximations):
   kinds = sorted({s.kind for s in gsites})
-  kind = "tied_embedding" if kinds == TIED_KINDS else kinds[0]
+  kind = kinds_lib.joined_kind(kinds) or kinds[0]
   approxes = {dict(s.meta).get("approx") for s in gsites} - {None}
   uses = sum(_site_uses(s) for s in gsites)
   paths = tuple(leaf_paths[i] for i in group)

@@ -25,8 +25,6 @@ INLINE = frozenset({
     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 TIED_HINT = ("a transposed kernel, as in a tied output projection "
              "(flax Embed.attend, x @ table.T)")
-# Site kinds of a tied embedding: lookups and the x @ table.T projection.
-TIED_KINDS = ["embedding", "tied_embedding"]
 
 
 # ---------------------------------------------------------------------------
