@@ -148,11 +148,8 @@ class FisherEstimator:
         exps=exps, compute_cholesky=self.compute_cholesky,
         compute_cholesky_inverse=self.compute_cholesky_inverse,
         damping_type=self.damping_type)
-    # MERGE: always pass overrides= once make_block takes it.
-    extra = ({} if self.block_factories is None
-             else {"overrides": self.block_factories})
     object.__setattr__(self, "_blocks", tuple(
-        blocks_lib.make_block(l, config, **extra)
+        blocks_lib.make_block(l, config, overrides=self.block_factories)
         for l in self.collection.layers))
 
   @property

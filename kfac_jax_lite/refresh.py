@@ -133,8 +133,7 @@ def bucketed_map(fn, mats, dampings, padded_sizes=None) -> list:
 
 def _bucketable(block, state) -> bool:
   """A block whose ``"pi"`` refresh has dense factors to bucket."""
-  # MERGE: isinstance(block, blocks_lib.base.FactorBucketed) (A2's protocol).
-  return (isinstance(block, blocks_lib.kronecker.KroneckerBlock)
+  return (isinstance(block, blocks_lib.base.FactorBucketed)
           and block.config.damping_type == "pi"
           and bool(block.factor_requests(state)))
 

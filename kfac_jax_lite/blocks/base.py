@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
 import jax.numpy as jnp
 
 from kfac_jax_lite import linalg
+from kfac_jax_lite import trees
 
 DAMPING_TYPES = ("pi", "exact")
 
@@ -132,9 +133,9 @@ def check_cached(block, flag: str, what: str):
 
 def ema_update(state, factors: dict, stats: dict, decay):
   """EMA of the named factor fields; non-finite stats leave state as is."""
-  finite = linalg.all_finite(stats)
+  finite = trees.all_finite(stats)
   old = {k: getattr(state, k) for k in factors}
-  new, weight = linalg.ema(old, stats, state.weight, decay)
+  new, weight = trees.ema(old, stats, state.weight, decay)
   new = {k: jnp.where(finite, new[k], old[k]).astype(old[k].dtype)
          for k in factors}
   weight = jnp.where(finite, weight, state.weight)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_lite import linalg
+from kfac_jax_lite import trees
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.layer import Layer
 
@@ -80,7 +80,7 @@ class VmappedBlock(base.Shorthands, base.UnfusedProducts):
         state, stats, ema_decay)
     if not self.axis.all_or_nothing:
       return new
-    finite = linalg.all_finite(stats)
+    finite = trees.all_finite(stats)
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
 
   def update_cache(self, state, damping):
