@@ -64,10 +64,6 @@ import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
-# One OpenBLAS thread unless the caller chose (README, Performance): the
-# inverse refresh's LAPACK calls otherwise fight XLA's thread pool.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

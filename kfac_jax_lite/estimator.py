@@ -35,6 +35,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import _blas_threads
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import distributed
 from kfac_jax_lite import keys as keys_lib
@@ -1040,6 +1041,7 @@ class FisherEstimator:
       blocks[i] = s
     return state._replace(blocks=tuple(blocks))
 
+  @_blas_threads.limited  # One LAPACK thread: docs/performance.md.
   def update_cache(self, state: EstimatorState, damping=None, layers=None):
     """Refreshes inverses / powers / Cholesky factors at ``damping``.
 
