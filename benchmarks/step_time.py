@@ -497,7 +497,7 @@ def blas_environment() -> str:
   ``kfac_jax_lite`` limits it, see ``kfac_jax_lite/_blas_threads.py``).
   Call it after a LAPACK kernel ran (:func:`warm_up_process`)."""
   import ctypes  # pylint: disable=import-outside-toplevel
-  from kfac_jax_lite import _blas_threads  # pylint: disable=import-outside-toplevel
+  from kfac_jax_lite import _blas_threads  # pylint: disable=g-import-not-at-top
   names = sorted(k for k in os.environ if k.startswith(
       ("OPENBLAS", "OMP_", "MKL_", "GOTO_", "BLIS_", "XLA_FLAGS")))
   env = ", ".join(f"{k}={os.environ[k]}" for k in names) or "none"

@@ -182,7 +182,8 @@ def lapack_library() -> Optional[str]:
   names the library that defines it.
   """
   try:
-    from scipy.linalg import cython_lapack  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=g-import-not-at-top
+    from scipy.linalg import cython_lapack
     module = ctypes.CDLL(cython_lapack.__file__)
     dladdr = ctypes.CDLL(None).dladdr
     own = os.path.realpath(cython_lapack.__file__)
