@@ -117,8 +117,8 @@ _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
 
 def _handler(action: Callable[[], None]):
   """An XLA FFI handler (``XLA_FFI_Error* (XLA_FFI_CallFrame*)``) that
-  answers XLA's metadata query and, when executed, runs ``action`` and
-  writes 0 into its int32 scalar result. It never reports an error: a
+  answers XLA's metadata query and, when executed, writes 0 into its
+  int32 scalar result and runs ``action``. It never reports an error: a
   failure to set the thread count must not fail the user's step."""
 
   def handle(frame_ptr):
@@ -138,12 +138,13 @@ def _handler(action: Callable[[], None]):
         return None
       if frame.stage != _STAGE_EXECUTE:
         return None
-      action()
+      # The result first: the traced program computes with it (0).
       if frame.rets.size >= 1:
         buf = ctypes.cast(frame.rets.values[0],
                           ctypes.POINTER(_Buffer)).contents
         if buf.data:
           ctypes.c_int32.from_address(buf.data).value = 0
+      action()
     except Exception:  # pylint: disable=broad-except
       _log.warning("kfac_jax_lite: setting the BLAS thread count failed",
                    exc_info=True)
