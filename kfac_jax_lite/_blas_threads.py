@@ -306,12 +306,13 @@ def _is_array(x) -> bool:
 
 
 def _after(token, x):
-  """``x`` computed from ``token`` (0) as well: ``x - 0.0``, exact for
-  every value (signed zeros included), which XLA cannot fold since the
-  token comes from a custom call."""
+  """A floating matrix (or stack of them) ``x`` computed from ``token``
+  (0) as well: ``x - 0.0``, exact for every value (signed zeros
+  included), which XLA cannot fold since the token comes from a custom
+  call. Other leaves are returned as they are."""
   x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.inexact):
-    return x
+  if x.ndim < 2 or not jnp.issubdtype(x.dtype, jnp.inexact):
+    return x  # LAPACK's operands are matrices computed from matrices.
   zero = jax.lax.bitcast_convert_type(token, jnp.float32)
   return x - zero.astype(x.dtype)
 
@@ -321,10 +322,10 @@ def limited(fn: Callable) -> Callable:
   while its computation runs (see the module docstring).
 
   The order is a data dependency, the only one XLA keeps: the floating
-  array leaves of ``fn``'s arguments are recomputed from the limiting
+  matrix leaves of ``fn``'s arguments are recomputed from the limiting
   call's result (:func:`_after`), and the restoring call takes every
   array leaf of ``fn``'s result as an operand, so every LAPACK kernel
-  inside ``fn`` computed from its arguments runs in between. Other
+  inside ``fn`` computed from those matrices runs in between. Other
   leaves (Python numbers, the estimator itself) pass through. A
   ``limited`` function called while another is traced adds nothing.
   Values are unchanged.
