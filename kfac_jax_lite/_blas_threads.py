@@ -117,8 +117,8 @@ _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
 
 def _handler(action: Callable[[], None]):
   """An XLA FFI handler (``XLA_FFI_Error* (XLA_FFI_CallFrame*)``) that
-  answers XLA's metadata query and, when executed, writes 0 into its
-  int32 scalar result and runs ``action``. It never reports an error: a
+  answers XLA's metadata query and, when executed, zeroes its int32
+  result and runs ``action``. It never reports an error: a
   failure to set the thread count must not fail the user's step."""
 
   def handle(frame_ptr):
@@ -138,12 +138,14 @@ def _handler(action: Callable[[], None]):
         return None
       if frame.stage != _STAGE_EXECUTE:
         return None
-      # The result first: the traced program computes with it (0).
+      # The result first, all zeros (int32; batched under vmap): the
+      # traced program computes with it.
       if frame.rets.size >= 1:
         buf = ctypes.cast(frame.rets.values[0],
                           ctypes.POINTER(_Buffer)).contents
         if buf.data:
-          ctypes.c_int32.from_address(buf.data).value = 0
+          size = int(np.prod([buf.dims[d] for d in range(buf.rank)]))
+          ctypes.memset(buf.data, 0, 4 * size)
       action()
     except Exception:  # pylint: disable=broad-except
       _log.warning("kfac_jax_lite: setting the BLAS thread count failed",
@@ -254,7 +256,7 @@ def _exit() -> None:
   global _depth, _saved
   with _lock:
     counts["exit"] += 1
-    _depth -= 1
+    _depth = max(0, _depth - 1)
     if _depth == 0 and _saved is not None:
       if _saved != THREADS:
         thread_control()[1](_saved)
@@ -293,9 +295,11 @@ _inside = contextvars.ContextVar("kfac_jax_lite_blas_limited", default=False)
 
 
 def _call(target: str, *operands):
+  # No side-effect flag: XLA's SPMD partitioner requires a sharding on
+  # side-effecting ops; the results' uses keep both calls alive instead.
   def cpu(*ops):
-    return jax.ffi.ffi_call(target, _TOKEN, has_side_effect=True,
-                            vmap_method="broadcast_all")(*ops)
+    return jax.ffi.ffi_call(target, _TOKEN, vmap_method="broadcast_all")(
+        *ops)
 
   return jax.lax.platform_dependent(
       *operands, cpu=cpu, default=lambda *_: jnp.zeros((), jnp.int32))
@@ -305,15 +309,20 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray))
 
 
+def _is_matrix(x) -> bool:
+  return (_is_array(x) and np.ndim(x) >= 2
+          and jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
 def _after(token, x):
-  """A floating matrix (or stack of them) ``x`` computed from ``token``
-  (0) as well: ``x - 0.0``, exact for every value (signed zeros
-  included), which XLA cannot fold since the token comes from a custom
-  call. Other leaves are returned as they are."""
+  """``x`` computed from ``token`` (0) as well: ``x - 0``, exact for every
+  value (signed zeros included), which XLA cannot fold since the token
+  comes from a custom call."""
   x = jnp.asarray(x)
-  if x.ndim < 2 or not jnp.issubdtype(x.dtype, jnp.inexact):
-    return x  # LAPACK's operands are matrices computed from matrices.
-  zero = jax.lax.bitcast_convert_type(token, jnp.float32)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    zero = jax.lax.bitcast_convert_type(token, jnp.float32)
+  else:
+    zero = token
   return x - zero.astype(x.dtype)
 
 
@@ -325,10 +334,14 @@ def limited(fn: Callable) -> Callable:
   matrix leaves of ``fn``'s arguments are recomputed from the limiting
   call's result (:func:`_after`), and the restoring call takes every
   array leaf of ``fn``'s result as an operand, so every LAPACK kernel
-  inside ``fn`` computed from those matrices runs in between. Other
-  leaves (Python numbers, the estimator itself) pass through. A
-  ``limited`` function called while another is traced adds nothing.
-  Values are unchanged.
+  inside ``fn`` computed from those matrices runs in between; the
+  restoring call's result flows into every array of the result that
+  ``fn`` computed (arguments passed through are returned as they came),
+  so that any use of those keeps both calls, paired (neither is flagged as a side
+  effect: XLA's SPMD partitioner would require a sharding on it). Other leaves
+  (Python numbers, the estimator itself) pass through. A ``limited``
+  function called while another is traced, or on no floating matrix,
+  adds nothing. Values are unchanged.
 
   Args:
     fn: a function of arrays (and static values) returning a pytree.
@@ -342,17 +355,36 @@ def limited(fn: Callable) -> Callable:
     if _inside.get() or not registered():
       return fn(*args, **kwargs)
     leaves, tree = jax.tree.flatten((args, kwargs))
-    token = _call(ENTER_TARGET)
-    leaves = [_after(token, x) if _is_array(x) else x for x in leaves]
+    mats = [i for i, x in enumerate(leaves) if _is_matrix(x)]
+    if not mats:
+      return fn(*args, **kwargs)
+    # An operand from the inputs, so that two calls on different inputs
+    # are not merged into one by XLA.
+    token = _call(ENTER_TARGET, jax.lax.stop_gradient(
+        jnp.ravel(leaves[mats[0]])[0]))
+    original = {}
+    for i in mats:
+      x = leaves[i]
+      leaves[i] = _after(token, x)
+      original[id(leaves[i])] = x
     args, kwargs = jax.tree.unflatten(tree, leaves)
     reset = _inside.set(True)
     try:
       out = fn(*args, **kwargs)
     finally:
       _inside.reset(reset)
-    _call(EXIT_TARGET, *jax.tree.map(
-        jax.lax.stop_gradient,
-        [x for x in jax.tree.leaves(out) if _is_array(x)] + [token]))
-    return out
+    leaves, tree = jax.tree.flatten(out)
+    # Arguments returned as they came back as they were, outside the
+    # limit (a refresh passes the factors through).
+    leaves = [original.get(id(x), x) for x in leaves]
+    arrays = [i for i, x in enumerate(leaves)
+              if _is_array(x) and not any(x is y for y in original.values())]
+    done = _call(EXIT_TARGET, *jax.tree.map(
+        jax.lax.stop_gradient, [leaves[i] for i in arrays] + [token]))
+    # Every array of the result carries the restoring call's token: any
+    # use of the result keeps both calls, paired.
+    for i in arrays:
+      leaves[i] = _after(done, leaves[i])
+    return jax.tree.unflatten(tree, leaves)
 
   return wrapped
