@@ -14,8 +14,8 @@ count right after it, at run time, inside whatever ``jit``, ``lax.cond``
 or ``vmap`` the user put around it. The user's own numpy/scipy threading
 is untouched outside those calls.
 
-Mechanism: two XLA FFI custom calls (``ENTER_TARGET``, ``EXIT_TARGET``)
-with side effects, ordered by data dependencies (:func:`limited`).
+Mechanism: two XLA FFI custom calls (``ENTER_TARGET``, ``EXIT_TARGET``),
+ordered and kept by data dependencies (:func:`limited`).
 Their handlers are Python functions exposed to XLA through ``ctypes``
 (XLA's FFI C ABI, ``xla/ffi/api/c_api.h``), registered by name: unlike
 ``jax.pure_callback``/``io_callback`` they leave no host callback in the
@@ -337,11 +337,11 @@ def limited(fn: Callable) -> Callable:
   inside ``fn`` computed from those matrices runs in between; the
   restoring call's result flows into every array of the result that
   ``fn`` computed (arguments passed through are returned as they came),
-  so that any use of those keeps both calls, paired (neither is flagged as a side
-  effect: XLA's SPMD partitioner would require a sharding on it). Other leaves
-  (Python numbers, the estimator itself) pass through. A ``limited``
-  function called while another is traced, or on no floating matrix,
-  adds nothing. Values are unchanged.
+  so that any use of those keeps both calls, paired (neither is flagged
+  as a side effect: XLA's SPMD partitioner would require a sharding on
+  it). Other leaves (Python numbers, the estimator itself) pass through.
+  A ``limited`` function called while another is traced, or on no
+  floating matrix, adds nothing. Values are unchanged.
 
   Args:
     fn: a function of arrays (and static values) returning a pytree.
@@ -374,15 +374,15 @@ def limited(fn: Callable) -> Callable:
     finally:
       _inside.reset(reset)
     leaves, tree = jax.tree.flatten(out)
-    # Arguments returned as they came back as they were, outside the
-    # limit (a refresh passes the factors through).
+    # Arguments passed through go back as they came, outside the limit
+    # (a refresh passes the factors through).
     leaves = [original.get(id(x), x) for x in leaves]
     arrays = [i for i, x in enumerate(leaves)
               if _is_array(x) and not any(x is y for y in original.values())]
     done = _call(EXIT_TARGET, *jax.tree.map(
         jax.lax.stop_gradient, [leaves[i] for i in arrays] + [token]))
-    # Every array of the result carries the restoring call's token: any
-    # use of the result keeps both calls, paired.
+    # Every computed array carries the restoring call's token: any use of
+    # them keeps both calls, paired.
     for i in arrays:
       leaves[i] = _after(done, leaves[i])
     return jax.tree.unflatten(tree, leaves)
