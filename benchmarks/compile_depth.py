@@ -44,7 +44,8 @@ import optax
 
 import kfac_jax_lite as kl
 # benchmarks/ is this script's path:
-from step_time import cpu_model, run_child, warm_up_process
+from step_time import (blas_environment, cpu_model, run_child,
+                       warm_up_process)
 
 
 class _Block(nn.Module):
@@ -208,7 +209,8 @@ def main():
         f"{warm['jax']:.2f}s, LAPACK bindings {warm['lapack']:.2f}s, "
         f"first xᵀx {warm['gram']:.2f}s")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s), {cpu_model()}")
+        f"{jax.device_count()} device(s), {cpu_model()}\n"
+        f"{blas_environment()}")
   header = (f"{'depth':>5}  {'blocks':<9} {'layers':>6} {'scan s':>7} "
             f"{'adam compile s':>14} {'kfac compile s':>14} {'ratio':>6} "
             f"{'adam step ms':>12} {'kfac step ms':>12}")

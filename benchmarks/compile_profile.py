@@ -57,8 +57,7 @@ import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
-# benchmarks/ is this script's path; step_time sets OPENBLAS_NUM_THREADS
-# (one thread unless the caller chose) before jax is imported.
+# benchmarks/ is this script's path.
 import step_time as st  # isort: skip
 
 import jax  # noqa: E402
@@ -230,7 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             f"{', '.join(STEPS)}")
   print(f"jax {jax.__version__}, {jax.default_backend()}, "
         f"{st.cpu_model()}; seconds, medians of {args.repeats} fresh "
-        f"processes per optimizer")
+        f"processes per optimizer\n{st.blas_environment()}")
   out = {}
   for model in models:
     results = {label: [] for label in STEPS[model]}

@@ -91,7 +91,7 @@ def worker(args: argparse.Namespace) -> dict:
   import numpy as np
   import optax
   import kfac_jax_lite as kl
-  import step_time as st  # Sets OPENBLAS_NUM_THREADS=1 unless set.
+  import step_time as st
 
   n = jax.device_count()
   if args.batch_size % n:
@@ -163,7 +163,7 @@ def worker(args: argparse.Namespace) -> dict:
       est_state = estimator_state(r.state)  # After real statistics.
       refresh_times[name].append(1e3 * st.timeit(
           refresh, est_state, repeats=args.steps_per_round))
-  return {"devices": n, "rows": [
+  return {"devices": n, "environment": st.blas_environment(), "rows": [
       {"name": r.name, "first_s": r.first_call_s,
        "first_cpu_s": r.first_call_cpu_s,
        "median_ms": 1e3 * statistics.median(r.times),
@@ -204,8 +204,7 @@ def print_table(args: argparse.Namespace, results: dict, loads: tuple):
   print(f"MLP {'-'.join(map(str, sizes(args)))} tanh, global batch "
         f"{args.batch_size}, kfac inverse_update_period=1; "
         f"{platform.machine()}, {cpus} CPUs (simulated devices share them); "
-        f"OPENBLAS_NUM_THREADS="
-        f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset (1 in workers)')}; "
+        f"{results[counts[0]]['environment']}; "
         f"{args.rounds * args.steps_per_round} timed steps each, "
         f"interleaved; 1-min load average {loads[0]:.1f} before, "
         f"{loads[1]:.1f} after"

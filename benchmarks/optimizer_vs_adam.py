@@ -21,6 +21,8 @@ import numpy as np
 import optax
 
 import kfac_jax_lite as kl
+# benchmarks/ is this script's path.
+from step_time import blas_environment  # isort: skip
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / (
     "mnist.npz")
@@ -103,6 +105,7 @@ def main(argv=None):
 
   best = min((k for k in curves if k.startswith("adam")),
              key=lambda k: smooth(curves[k][0]))
+  print(f"\n{blas_environment()}")
   print(f"\n{'optimizer':<16} {'final loss (last 20)':>21} {'seconds':>8}")
   for name, (losses, secs, _) in curves.items():
     mark = "  <- best adam" if name == best else ""

@@ -44,8 +44,6 @@ import sys
 import time
 from typing import Optional, Sequence
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -54,7 +52,8 @@ import optax  # noqa: E402
 import kfac_jax_lite  # noqa: E402
 # benchmarks/ is this script's path: kfac_step is step_time's kfac step
 # (loss, gradient and statistics from value_grad_and_stats).
-from step_time import cpu_model, kfac_step, load_example  # noqa: E402
+from step_time import (blas_environment, cpu_model, kfac_step,  # noqa: E402
+                       load_example)
 
 ae = load_example("mnist_autoencoder")
 
@@ -244,8 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
   print(f"\nautoencoder, batch {args.batch_size}; jax {jax.__version__}, "
         f"{jax.devices()[0].platform}, {platform.machine()} "
-        f"({cpu_model()}), {os.cpu_count()} CPUs; OPENBLAS_NUM_THREADS="
-        f"{os.environ.get('OPENBLAS_NUM_THREADS')}; 1-min load average "
+        f"({cpu_model()}), {os.cpu_count()} CPUs; {blas_environment()}; "
+        f"1-min load average "
         f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
   print(f"| adam lr | loss @ {args.adam_steps} | seconds | first call |")
   print("|---|---|---|---|")

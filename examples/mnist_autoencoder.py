@@ -45,22 +45,36 @@ import sys
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
-# Inverse refreshes call LAPACK through the OpenBLAS bundled with scipy; on a
-# busy CPU its threads fight XLA's pool (README, Performance). Set before jax
-# loads; an explicit OPENBLAS_NUM_THREADS in the environment wins.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import kfac_jax_lite  # noqa: E402
+import kfac_jax_lite
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                             "data", "mnist.npz")
 HIDDEN = (1000, 500, 250, 30, 250, 500, 1000)
 L2 = 1e-5
+
+# Where JAX keeps compiled programs across runs (XDG cache directory).
+DEFAULT_COMPILATION_CACHE = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"),
+    "kfac_jax_lite", "jax")
+
+
+def use_compilation_cache(path: Optional[str]) -> None:
+  """Turns on JAX's persistent compilation cache in ``path`` (None: off).
+
+  A second run of the script loads its compiled steps from there instead
+  of compiling them again (README, *Paying the compile once*). Every
+  program is kept, however short its compile
+  (``jax_persistent_cache_min_compile_time_secs`` 0). Call it before the
+  first computation.
+  """
+  if path:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -344,6 +358,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="seeds initialisation, batches and sampling")
   p.add_argument("--plot", default="autoencoder.png",
                  help="PNG path for the loss curves ('' to skip)")
+  p.add_argument("--compilation-cache",
+                 default=DEFAULT_COMPILATION_CACHE if argv is None else None,
+                 help="JAX's persistent compilation cache directory: a "
+                 "second run loads its compiled steps from it (on by "
+                 "default from the command line; off for main(argv))")
+  p.add_argument("--no-compilation-cache", dest="compilation_cache",
+                 action="store_const", const=None,
+                 help="compile everything afresh, keep nothing")
   args = p.parse_args(argv)
   if args.paper and "--steps" not in (argv if argv is not None
                                       else sys.argv[1:]):
@@ -370,6 +392,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     adam loss)``.
   """
   args = parse_args(argv)
+  use_compilation_cache(args.compilation_cache)
   images = load_images(args.data)
   sizes = layer_sizes(args.scale)
   if args.paper:

@@ -217,7 +217,6 @@ def worker_env() -> dict:
   env["PYTHONPATH"] = os.pathsep.join(
       [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
   env["JAX_PLATFORMS"] = "cpu"
-  env.setdefault("OPENBLAS_NUM_THREADS", "1")
   return env
 
 

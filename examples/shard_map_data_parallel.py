@@ -46,7 +46,6 @@ def _force_host_devices(argv: Sequence[str]):
     n = pre.parse_known_args(argv)[0].devices
     os.environ["XLA_FLAGS"] = (
         f"{flags} --xla_force_host_platform_device_count={n}").strip()
-  os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 if __name__ == "__main__":

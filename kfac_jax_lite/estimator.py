@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_lite import _blas_threads
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import distributed
 from kfac_jax_lite import grouping
@@ -317,6 +318,7 @@ class FisherEstimator:
         [p.state for p in parts], self.axis_name)
     return self._replace(state, grouping.put(self._stacked(state), parts, new))
 
+  @_blas_threads.limited  # One LAPACK thread: docs/performance.md.
   def update_cache(self, state: EstimatorState, damping=None, layers=None):
     """Refreshes inverses / powers / Cholesky factors at ``damping``.
 
