@@ -2,7 +2,8 @@
 
 ``kfac`` and ``kfac_optimizer`` never put the factors or caches inside a
 conditional or a select on "the inputs are finite": the curvature state
-guards itself (``Curvature.step(gate=...)``).
+guards itself (``update_curvature`` gates its counters, key and refresh on
+its inputs being finite).
 """
 
 import re
@@ -60,8 +61,9 @@ def test_nonfinite_grads_keep_schedule_caches_and_momentum(problem):
   nan_stats = jax.tree.map(lambda x: x * jnp.nan, stats)
   _, new = step(grads, state, params, nan_stats)
   assert int(new.num_skipped) == 1
-  for o, n in zip(jax.tree.leaves(_kfac_state(state)),
-                  jax.tree.leaves(_kfac_state(new))):
+  assert not bool(new.last_finite) and not bool(_kfac_state(new).last_finite)
+  for o, n in zip(jax.tree.leaves(_kfac_state(state)._replace(last_finite=0)),
+                  jax.tree.leaves(_kfac_state(new)._replace(last_finite=0))):
     np.testing.assert_array_equal(n, o)
 
 
@@ -294,8 +296,8 @@ def test_replicas_skip_together(problem):
   the counters (and the schedule) stay identical."""
   params, batches, c, _ = problem
   axis = "d"
-  tx = kl.kfac(0.1, c, damping=1e-2, inverse_update_period=2,
-               axis_name=axis, stats_sync="before_refresh")
+  est = kl.FisherEstimator(c, axis_name=axis, stats_sync="before_refresh")
+  tx = kl.kfac(0.1, c, damping=1e-2, inverse_update_period=2, estimator=est)
   vgs = kl.value_grad_and_stats(helpers.classifier_loss, c, axis_name=axis,
                                 stats_sync="before_refresh")
 
