@@ -325,7 +325,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          cov_update_period: int = 1, inverse_update_period: int = 5,
          estimation_mode: Optional[str] = None,
          norm_constraint: Optional[float] = None, axis_name: Any = None,
-         seed: int = 0,
+         stats_sync: Optional[str] = None,
+         distributed_inverses: Optional[bool] = None, seed: int = 0,
          estimator: Optional[estimator_lib.FisherEstimator] = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
@@ -346,8 +347,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
         optax.scale_by_learning_rate(learning_rate)))
 
   (the same updates and state); build that chain for the options of
-  :func:`scale_by_kfac` not listed here (``power``, ``stats_sync``,
-  ``distributed_inverses``, ``stagger_inverse_updates``).
+  :func:`scale_by_kfac` not listed here (``power``,
+  ``stagger_inverse_updates``).
 
   Args:
     learning_rate: α, a float or schedule.
@@ -355,8 +356,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     momentum: μ (0 disables momentum).
     weight_decay: η.
     damping, cov_ema_decay, cov_update_period, inverse_update_period,
-      estimation_mode, norm_constraint, axis_name, seed, estimator: see
-      :func:`scale_by_kfac`.
+      estimation_mode, norm_constraint, axis_name, stats_sync,
+      distributed_inverses, seed, estimator: see :func:`scale_by_kfac`.
 
   Works under ``optax.inject_hyperparams`` (``learning_rate``, ``damping``,
   ``momentum``, ``weight_decay`` injectable) and ``optax.MultiSteps``.
@@ -371,8 +372,9 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,
       estimation_mode=estimation_mode, norm_constraint=norm_constraint,
-      learning_rate=learning_rate, axis_name=axis_name, seed=seed,
-      estimator=estimator)]
+      learning_rate=learning_rate, axis_name=axis_name,
+      stats_sync=stats_sync, distributed_inverses=distributed_inverses,
+      seed=seed, estimator=estimator)]
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   if not isinstance(momentum, (int, float)) or momentum:

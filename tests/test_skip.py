@@ -296,8 +296,8 @@ def test_replicas_skip_together(problem):
   the counters (and the schedule) stay identical."""
   params, batches, c, _ = problem
   axis = "d"
-  est = kl.FisherEstimator(c, axis_name=axis, stats_sync="before_refresh")
-  tx = kl.kfac(0.1, c, damping=1e-2, inverse_update_period=2, estimator=est)
+  tx = kl.kfac(0.1, c, damping=1e-2, inverse_update_period=2,
+               axis_name=axis, stats_sync="before_refresh")
   vgs = kl.value_grad_and_stats(helpers.classifier_loss, c, axis_name=axis,
                                 stats_sync="before_refresh")
 
