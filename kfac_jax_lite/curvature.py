@@ -81,11 +81,15 @@ def inputs_finite(updates, stats=None, axis_name=None) -> jnp.ndarray:
   taken on the stacked groups before they were split per layer); it
   stands for their leaves here. Other ``stats`` are checked leaf by leaf.
   """
-  check = [updates]
+  leaves = jax.tree.leaves(updates)
+  check = [[x for x in leaves if jnp.ndim(x)]]
   if stats is not None:
     marker = _finite_marker(stats)
     check.append(stats if marker is None else marker)
   finite = linalg.all_finite(check)
+  for x in leaves:  # Scalars (a learning rate) apart: no concatenation.
+    if not jnp.ndim(x):
+      finite = finite & jnp.all(jnp.isfinite(x))
   if axis_name is not None:
     distributed.axis_size(axis_name)  # A clear error if it is not bound.
     finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
