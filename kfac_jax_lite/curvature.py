@@ -127,8 +127,12 @@ def _refresh(est, period, stagger, count, est_state, damping, gate):
     raise ValueError(
         "stagger_inverse_updates=True needs a static inverse_update_period;"
         " mark it static (e.g. inject_hyperparams(..., static_args=...)).")
-  refresh = lambda s, layers=None: est.update_cache(s, damping, layers)  # noqa: E731
-  keep = lambda s: s  # noqa: E731
+  def refresh(s, layers=None):
+    return est.update_cache(s, damping, layers)
+
+  def keep(s):
+    return s
+
   if not stagger or _every_step(period):
     do = ((count % period) == 0) & gate
     return lax.cond(do, refresh, keep, est_state), do

@@ -360,7 +360,9 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       distributed_inverses, seed, estimator: see :func:`scale_by_kfac`.
 
   Works under ``optax.inject_hyperparams`` (``learning_rate``, ``damping``,
-  ``momentum``, ``weight_decay`` injectable) and ``optax.MultiSteps``.
+  ``momentum``, ``weight_decay`` injectable; it makes every number an
+  array, so name the periods in ``static_args`` to keep a static period
+  of 1 free of its ``lax.cond``) and ``optax.MultiSteps``.
   Steps whose gradients, statistics, damping or learning rate are not
   finite are skipped and counted (:func:`skip_nonfinite`):
   ``state.num_skipped``, ``state.last_finite``.

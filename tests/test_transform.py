@@ -130,7 +130,8 @@ def test_unknown_extra_args_are_ignored(problem):
     ({"power": jnp.asarray(-1)}, "static_args=\\('power',\\)"),
     ({"estimation_mode": "exact", "estimator": "est"},
      "estimation_mode='exact' given with estimator="),
-    ({"power": -0.5, "estimator": "est"}, r"power=-0.5 is not in .*exps=\[-1\]"),
+    ({"power": -0.5, "estimator": "est"},
+     r"power=-0.5 is not in .*exps=\[-1\]"),
 ])
 def test_bad_hyperparameters(problem, kwargs, match):
   if kwargs.get("estimator") == "est":
