@@ -321,8 +321,9 @@ def make_runners(problem: Problem, collection, periods, damping: float,
 
   for period, fraction in variants(1.0):
     kw = {} if fraction is None else {"stats_fraction": fraction}
+    est = kfac_jax_lite.FisherEstimator(collection, **kw) if kw else None
     tx = kfac_jax_lite.kfac(1e-2, collection, damping=damping,
-                            inverse_update_period=period, **kw)
+                            inverse_update_period=period, estimator=est)
     runners.append(Runner(
         label("kfac", period, fraction),
         lambda tx=tx, kw=kw: kfac_step(problem.loss_fn, tx, collection,
@@ -330,9 +331,11 @@ def make_runners(problem: Problem, collection, periods, damping: float,
         problem.params, problem.batches))
   if with_optimizer:
     for period, fraction in variants(0.25):
-      kw = {} if fraction is None else {"stats_fraction": fraction}
+      est = None if fraction is None else kfac_jax_lite.FisherEstimator(
+          collection, stats_fraction=fraction)
       tx = kfac_jax_lite.kfac_optimizer(collection,
-                                        inverse_update_period=period, **kw)
+                                        inverse_update_period=period,
+                                        estimator=est)
       runners.append(Runner(
           label("kfac_optimizer", period, fraction),
           lambda tx=tx: kfac_step(problem.loss_fn, tx, collection,

@@ -212,14 +212,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   def kfac_run(lr, damping, fraction):
     name = f"kfac lr={lr:g} damping={damping:g} stats_fraction={fraction:g}"
     tx = kfac_jax_lite.kfac(lr, collection, damping=damping,
-                            stats_fraction=fraction)
+                            estimator=kfac_jax_lite.FisherEstimator(
+                                collection, stats_fraction=fraction))
     return name, name, tx, kfac_step(ae.loss_fn, tx, collection,
                                      stats_fraction=fraction)
 
   # (name, header printed before the run, tx, jitted step)
   runs = [optimizer_run("kfac_optimizer" + (
       " (defaults)" if f == 0.25 else f" stats_fraction={f:g}"),
-                        stats_fraction=f)
+                        estimator=kfac_jax_lite.FisherEstimator(
+                            collection, stats_fraction=f))
           for f in (float(x) for x in args.stats_fractions.split(",") if x)]
   runs += [optimizer_run(f"kfac_optimizer inverse_update_period={k}",
                          inverse_update_period=k)

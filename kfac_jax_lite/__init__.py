@@ -8,6 +8,8 @@ Approximate Curvature"; Grosse & Martens (2016) for convolutions; Martens, Ba
 from kfac_jax_lite.collection import APPROXIMATIONS
 from kfac_jax_lite.collection import Layer
 from kfac_jax_lite.collection import LayerCollection
+from kfac_jax_lite.curvature import CurvatureState
+from kfac_jax_lite.curvature import update_curvature
 from kfac_jax_lite.estimator import EstimatorState
 from kfac_jax_lite.estimator import FisherEstimator
 from kfac_jax_lite.estimator import Stats
@@ -32,8 +34,9 @@ from kfac_jax_lite.tags import register_separable_conv2d
 from kfac_jax_lite.tags import register_sigmoid_cross_entropy_loss
 from kfac_jax_lite.tags import register_softmax_cross_entropy_loss
 from kfac_jax_lite.tags import register_squared_error_loss
-from kfac_jax_lite.transform import ScaleByKFACState
+from kfac_jax_lite.transform import SkipNonFiniteState
 from kfac_jax_lite.transform import kfac
 from kfac_jax_lite.transform import scale_by_kfac
+from kfac_jax_lite.transform import skip_nonfinite
 
 __version__ = "0.1.0"

@@ -33,8 +33,6 @@ from kfac_jax_lite.statistics import MODES  # noqa: F401  (re-export)
 from kfac_jax_lite.statistics import Stats
 from kfac_jax_lite.statistics import stats_rows  # noqa: F401  (re-export)
 
-# MERGE: one state form. transform.py still names the grouped state so.
-GroupedState = EstimatorState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,11 +186,6 @@ class FisherEstimator:
     collection order, sliced out of the group stacks."""
     return tuple(grouping.per_layer(self.groups, self._stacked(state),
                                     len(self.blocks)))
-
-  def group_state(self, state):
-    """``state`` itself: :meth:`init` already returns the grouped form."""
-    # MERGE: one state form. Delete once transform.py no longer calls it.
-    return state
 
   def _stacked(self, x, name="state") -> list:
     """The per-group entries of a state or statistics, checked against

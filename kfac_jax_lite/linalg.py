@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite import _xla_cpu
-from kfac_jax_lite import trees
 
 
 @_xla_cpu.sequential_under_vmap
@@ -202,11 +201,3 @@ def as_matrix(m):
   """A diagonal stored as a vector becomes a matrix; matrices pass."""
   return jnp.diag(m) if m.ndim == 1 else m
 
-
-# MERGE: re-exports for callers outside the estimator side (blocks/,
-# transform.py, optimizer.py); they move to trees / _xla_cpu after merging.
-all_finite = trees.all_finite
-ema = trees.ema
-inner_products = trees.inner_products
-finite_marker = _xla_cpu.finite_marker
-FINITE_ALONE = _xla_cpu.FINITE_ALONE

@@ -29,20 +29,23 @@ compiled program.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import optax
 
+from kfac_jax_lite import curvature as curvature_lib
+from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import linalg
 from kfac_jax_lite import transform
+from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
 
 
 class KFACOptimizerState(NamedTuple):
-  curvature: transform.CurvatureState
+  curvature: curvature_lib.CurvatureState
   velocity: Any                # params-like: the previous update δ
   damping: jnp.ndarray         # [] λ used by this and the next step
   learning_rate: jnp.ndarray   # [] α of the last step
@@ -71,8 +74,8 @@ def fisher_gram(lin, vectors, axis_name=None):
   Returns:
     The ``[k, k]`` Gram matrix.
   """
-  # One JVP per vector, the (small) outputs stacked: a vmap over stacked
-  # vectors first copied every parameter leaf of every vector.
+  # One JVP per vector, the (small) outputs stacked
+  # (docs/performance.md#one-jvp-per-vector).
   jvs = jax.tree.map(lambda *x: jnp.stack(x),
                      *[lin.output_jvp(v) for v in vectors])
   gram = 0.0
@@ -145,7 +148,10 @@ def kfac_optimizer(collection: LayerCollection, *,
                    damping_adaptation_decay: float = 0.95,
                    damping_adaptation_interval: int = 5,
                    min_damping: float = 1e-8, l2_reg: float = 0.0,
-                   **curvature_kwargs: Any
+                   inverse_update_period: int = 10,
+                   estimation_mode: Optional[str] = None,
+                   axis_name: Any = None,
+                   estimator: Optional[estimator_lib.FisherEstimator] = None,
                    ) -> optax.GradientTransformationExtraArgs:
   """The full K-FAC optimizer: adaptive damping, learning rate and momentum.
 
@@ -153,13 +159,26 @@ def kfac_optimizer(collection: LayerCollection, *,
   for the math. ``update(grads, state, params, *, batch, stats=None)``
   needs the batch (the quadratic model and the damping rule evaluate the
   loss on it); statistics may come from ``value_grad_and_stats`` via
-  ``stats=`` or are computed from the batch.
+  ``stats=`` or are computed from the batch. The curvature is kept by
+  :func:`~kfac_jax_lite.update_curvature` (``state.curvature``), run with
+  the adapted damping and this batch's linearisation.
 
   ``grads=None`` is the fastest step: the optimizer then takes the
   gradient from the same single forward pass (one linearisation) that
   gives the statistics and the Fisher-vector products, instead of a
   separate ``jax.grad``; the loss is ``state.loss`` afterwards. Under an
   ``axis_name`` that gradient is averaged over the axis.
+
+  The estimator built here has ``stats_fraction=0.25`` (1 elsewhere), with
+  ``stats_min_examples=64``: the whole curvature side runs on the first
+  ``m = max(⌈B/4⌉, 64)`` examples of the batch (all of them when ``B ≤
+  64``): the factors' statistics, and the Fisher products ``M`` of the
+  quadratic model, from a second forward pass over those examples only
+  (:meth:`FisherEstimator.linearize_head`); the gradient, the loss and
+  ``ρ`` stay the whole batch's. ``estimator=FisherEstimator(collection,
+  stats_fraction=1.0)`` is the textbook algorithm (e.g. one exact step on
+  a linear least squares problem). Why these defaults:
+  docs/performance.md#kfac-optimizer-defaults.
 
   Args:
     collection: from :func:`kfac_jax_lite.scan`.
@@ -174,30 +193,17 @@ def kfac_optimizer(collection: LayerCollection, *,
     min_damping: floor of λ (plus ``l2_reg``).
     l2_reg: the L2 coefficient the loss already contains (its curvature
       enters the model's predicted change).
-    **curvature_kwargs: ``cov_ema_decay``, ``cov_update_period``,
-      ``inverse_update_period``, ``estimation_mode``, ``axis_name``,
-      ``seed``, ``stagger_inverse_updates`` and estimator options, as for
-      :func:`kfac_jax_lite.scale_by_kfac`. ``stats_fraction`` defaults to
-      ``0.25`` here (1 elsewhere), with ``stats_min_examples=64``: the
-      whole curvature side runs on the first ``m = max(⌈B/4⌉, 64)``
-      examples of the batch (all of them when ``B ≤ 64``): the factors'
-      statistics, and the Fisher products ``M`` of the quadratic model,
-      from a second forward pass over those examples only
-      (:meth:`FisherEstimator.linearize_head`); the gradient, the loss and
-      ``ρ`` stay the whole batch's. On the 784-1000-...-784 autoencoder at
-      batch 500 this cuts the XLA flop count of a step without refresh
-      from 35 to 22 GFLOP, and the steps needed to reach Adam's losses
-      grew by 2-6% (``benchmarks/time_to_loss.py``). ``stats_fraction=1.0``
-      is the textbook algorithm (e.g. one exact step on a linear least
-      squares problem). ``inverse_update_period`` defaults to ``10`` here
-      (5 in ``kfac``/``scale_by_kfac``; Martens & Grosse 2015 refresh the
-      inverses every ``T3 = 20`` steps): on that autoencoder it reached
-      Adam's 2000-step loss in 0.48x Adam's time against 0.53x with 5, and
-      its 600-step loss in the same time (``time_to_loss.py
-      --inverse-periods 10,20``; 20 was slower to the 600-step loss).
+    inverse_update_period: refresh the damped inverses every this many
+      steps (Martens & Grosse 2015 refresh them every ``T3 = 20``).
+    estimation_mode, axis_name: options of the estimator built here, as
+      for :func:`kfac_jax_lite.scale_by_kfac` (None: its default).
+    estimator: a :class:`~kfac_jax_lite.FisherEstimator` of ``collection``
+      to use instead (then leave ``estimation_mode`` and ``axis_name``
+      unset); its ``exps`` must contain -1.
 
-  Steps with non-finite gradients or statistics leave the parameters and
-  the whole state untouched and are counted in ``state.num_skipped``.
+  Steps whose gradients, statistics, learning rate or momentum are not
+  finite leave the parameters and the whole state untouched (the factors
+  fold in only finite statistics) and are counted in ``state.num_skipped``.
 
   Data parallel (``axis_name=`` under ``pmap``/``shard_map``): the
   statistics, the loss ``h`` and the Fisher Gram ``M`` are averaged over the
@@ -213,39 +219,40 @@ def kfac_optimizer(collection: LayerCollection, *,
     >>> print(state.damping, state.learning_rate, state.momentum, state.rho)
   """
   for name, v in (("initial_damping", initial_damping),
-                  ("min_damping", min_damping), ("l2_reg", l2_reg)):
-    transform.check_nonnegative(name, v)
+                  ("min_damping", min_damping), ("l2_reg", l2_reg),
+                  ("learning_rate", learning_rate), ("momentum", momentum)):
+    curvature_lib.check_nonnegative(name, v)
   if not 0.0 < damping_adaptation_decay < 1.0:
     raise ValueError(
         f"damping_adaptation_decay={damping_adaptation_decay!r} must be in "
         "(0, 1).")
-  transform.check_period("damping_adaptation_interval",
-                         damping_adaptation_interval)
-  kw = dict(cov_ema_decay=0.95, cov_update_period=1,
-            inverse_update_period=10, estimation_mode="gradients",
-            axis_name=None, seed=0, stats_fraction=0.25)
-  curvature_kwargs = transform.unnest_kwargs(curvature_kwargs,
-                                             "curvature_kwargs")
-  stagger = curvature_kwargs.pop("stagger_inverse_updates", False)
-  kw.update(curvature_kwargs)
-  axis_name = kw["axis_name"]
-  curvature = transform.make_curvature(collection, power=-1, stagger=stagger,
-                                       **kw)
-  est = curvature.estimator
+  curvature_lib.check_period("damping_adaptation_interval",
+                             damping_adaptation_interval)
+  est = transform.make_estimator(
+      collection, estimator, -1, estimation_mode=estimation_mode,
+      axis_name=axis_name,
+      stats_fraction=0.25 if estimator is None else None)
+  axis_name = est.axis_name
+
+  def curvature(damping):
+    return curvature_lib.update_curvature(
+        est, damping=damping, inverse_update_period=inverse_update_period)
+
   omega = damping_adaptation_decay ** damping_adaptation_interval
   floor = min_damping + l2_reg
   dt = linalg.factor_dtype()
+  fixed = curvature_lib.dynamic(learning_rate, momentum)
 
   def init_fn(params):
     z = lambda: jnp.zeros((), dt)  # noqa: E731  (distinct, donatable)
     return KFACOptimizerState(
-        curvature=curvature.init(params),
+        curvature=curvature(initial_damping).init(params),
         velocity=jax.tree.map(jnp.zeros_like, params),
         damping=jnp.asarray(max(initial_damping, floor), dt),
         learning_rate=z(), momentum=z(), qmodel_change=z(), rho=z(),
         loss=z(), new_loss=z(), num_skipped=jnp.zeros((), jnp.int32))
 
-  def update_fn(grads, state, params, *, batch, stats, finite, lin):
+  def update_fn(grads, state, params, *, batch, stats, lin):
     lam = state.damping
     count = state.curvature.count
     loss = lin.loss
@@ -254,8 +261,9 @@ def kfac_optimizer(collection: LayerCollection, *,
     # The curvature (statistics, Fisher products) of the first ⌈f·B⌉
     # examples: lin itself unless stats_fraction < 1.
     head = est.linearize_head(params, batch, lin)
-    cstate = curvature.step(state.curvature, params, None, stats, lam,
-                            linearized=head, gate=finite)
+    _, cstate = curvature(lam).update((grads, fixed), state.curvature,
+                                      params, stats=stats, linearized=head)
+    finite = cstate.last_finite
     # P = F̂⁻¹ g, and Δ = -P enters through signs only: the Grams and c of
     # (Δ, δ) are those of (P, δ) with the cross terms and gᵀΔ negated, and
     # u = -α P + μ δ (no pass over the parameters to negate P).
@@ -263,7 +271,7 @@ def kfac_optimizer(collection: LayerCollection, *,
     prev = state.velocity
     m = fisher_gram(head, [pos, prev], axis_name)
     # PᵀP, Pᵀδ, δᵀδ, gᵀP, gᵀδ: one vdot per chunk of leaves each.
-    dd, dp, pp, gd, gp = linalg.inner_products(
+    dd, dp, pp, gd, gp = trees.inner_products(
         (pos, prev, grads), ((0, 0), (0, 1), (1, 1), (2, 0), (2, 1)))
     gram = jnp.array([[dd, dp], [dp, pp]])
     c = jnp.array([gd, gp])
@@ -276,10 +284,9 @@ def kfac_optimizer(collection: LayerCollection, *,
         momentum=momentum)
     coeffs = jnp.stack([alpha, mu])
     change = 0.5 * coeffs @ (m + l2_reg * gram) @ coeffs + c @ coeffs
-    # The new velocity, already selected: a skipped step keeps δ. The
-    # returned updates are it, zeroed unless finite, so the caller's
-    # apply_updates reads this buffer and not δ, which it overwrites in
-    # place (else XLA copies δ first; see transform.kfac).
+    # The new velocity, already selected (a skipped step keeps δ); the
+    # updates are read from it
+    # (docs/performance.md#update-from-the-new-velocity).
     velocity = jax.tree.map(
         lambda d, p: jnp.where(finite, (-alpha * d + mu * p).astype(p.dtype),
                                p), pos, prev)
@@ -297,24 +304,25 @@ def kfac_optimizer(collection: LayerCollection, *,
     do_adapt = ((count + 1) % damping_adaptation_interval) == 0
     if adapt_damping:
       # θ + u outside the conditional, as the caller's apply_updates
-      # writes it (from the returned updates): XLA computes the two
-      # identical sums once, and the damping rule's forward pass reads
-      # the new parameters instead of adding every W + U inside its
-      # branch (on the autoencoder of benchmarks/step_time.py: 220
-      # compiled kernels instead of 236, at the same step time). A caller
-      # that applies other updates (a later transform in a chain) pays
-      # one extra sum per step.
+      # writes it (docs/performance.md#damping-rule-reads-the-new-params).
       new_params = optax.apply_updates(params, updates)
       new_lam, (rho, new_loss) = lax.cond(
           do_adapt, adapt, lambda _: (lam, (state.rho, state.new_loss)),
           new_params)
     else:
       new_lam, rho, new_loss = lam, state.rho, state.new_loss
-    return updates, KFACOptimizerState(
+    new_state = KFACOptimizerState(
         curvature=cstate, velocity=velocity, damping=new_lam,
         learning_rate=alpha, momentum=mu, qmodel_change=change, rho=rho,
         loss=loss.astype(dt), new_loss=new_loss,
-        num_skipped=state.num_skipped)
+        num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
+    # A skipped step selects the old scalars; the curvature state and the
+    # velocity already kept themselves.
+    rest = transform.select_tree(
+        finite, new_state._replace(curvature=(), velocity=(), num_skipped=()),
+        state._replace(curvature=(), velocity=(), num_skipped=()))
+    return updates, rest._replace(curvature=cstate, velocity=velocity,
+                                  num_skipped=new_state.num_skipped)
 
   def guarded_update_fn(grads, state, params=None, *, batch=None, stats=None,
                         **extra_args):
@@ -325,29 +333,14 @@ def kfac_optimizer(collection: LayerCollection, *,
           "quadratic model and the damping rule evaluate the loss on the "
           "batch); statistics may still come from stats=....")
     # One forward pass: statistics (transpose), loss and J u (JVP), and
-    # with grads=None the gradient too.
-    # The whole batch's linearisation needs its JVP only when it is also
-    # the curvature's: linearize_head returns it when stats_fraction is 1,
-    # and also when the batch has no more than stats_min_examples rows;
-    # then its JVP comes from transposing its pullback (Linearized.jvp),
-    # the same products at one more trace pass.
+    # with grads=None the gradient too. Its JVP is built only when it is
+    # also the curvature's (docs/performance.md#one-forward-pass).
     lin = est.linearize(params, batch, with_jvp=est.stats_fraction >= 1.0)
     if grads is None:
       grads = lin.gradient()
       if axis_name is not None:
         grads = lax.pmean(grads, axis_name)
-    finite = transform.inputs_finite(grads, stats, axis_name)
-    # Everything runs; a skipped step selects the old values. The curvature
-    # state guards itself (gate=): no select or conditional copies it.
-    updates, new_state = update_fn(grads, state, params, batch=batch,
-                                   stats=stats, finite=finite, lin=lin)
-    rest = transform.select_tree(
-        finite, new_state._replace(curvature=(), velocity=()),
-        state._replace(curvature=(), velocity=()))
-    return updates, rest._replace(
-        curvature=new_state.curvature, velocity=new_state.velocity,
-        num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
+    return update_fn(grads, state, params, batch=batch, stats=stats,
+                     lin=lin)
 
   return optax.GradientTransformationExtraArgs(init_fn, guarded_update_fn)
-
-

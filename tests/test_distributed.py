@@ -326,11 +326,15 @@ def test_distributed_inverses_match_local(problem, mesh, mapping, kwargs):
   params, batches, c = problem
   batches = batches[:2]
   kwargs = {"inverse_update_period": 1, **kwargs}
+  fields = ("damping_type", "exps", "compute_cholesky", "stats_sync")
+  est = {k: v for k, v in kwargs.items() if k in fields}
+  kwargs = {k: v for k, v in kwargs.items() if k not in fields}
 
   def make(dist):
     return lambda axis: kl.scale_by_kfac(
-        c, damping=1e-2, estimation_mode="empirical", axis_name=axis,
-        distributed_inverses=dist, **kwargs)
+        c, damping=1e-2, **kwargs, estimator=kl.FisherEstimator(
+            c, estimation_mode="empirical", axis_name=axis,
+            distributed_inverses=dist, **est))
 
   want_dirs, want = _steps(mapping, make(False), params, batches, mesh)
   got_dirs, got = _steps(mapping, make(True), params, batches, mesh)

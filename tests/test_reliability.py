@@ -177,6 +177,83 @@ def test_nan_batches_are_skipped_and_counted(problem, make):
   del start
 
 
+def _run(tx, params, batches, **kw):
+  """``(params, state)`` after a jitted step per batch (``kw``: more
+  extra args of ``update``), and the params after each step."""
+  step = jax.jit(lambda p, s, b: tx.update(
+      jax.grad(helpers.classifier_loss)(p, b), s, p, batch=b, **kw))
+  state, seen = tx.init(params), []
+  for b in batches:
+    updates, state = step(params, state, b)
+    params = optax.apply_updates(params, updates)
+    seen.append(params)
+  return seen, state
+
+
+def _nan_lr_schedule(count):
+  # Finite at steps 0 and 1, NaN from step 2 on (the square root of a
+  # negative number, as a mistaken warm-down would give).
+  return 0.1 * jnp.sqrt(1.5 - count)
+
+
+@pytest.mark.parametrize("how", ["array", "schedule", "injected"])
+def test_nonfinite_learning_rate_is_skipped_and_counted(problem, how):
+  """A NaN learning rate skips the step like a NaN gradient: parameters
+  and state unchanged, counted. The step count does not advance on a
+  skipped step, so a schedule that is NaN from step 2 on skips every step
+  from then on (each one counted)."""
+  params, batch, c = problem
+  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
+             for i in range(4)]
+  if how == "array":
+    tx = kl.kfac(jnp.asarray(jnp.nan), c, damping=1e-2)
+    seen, state = _run(tx, params, batches)
+    for p in seen:
+      helpers.assert_trees_close(p, params, rtol=0)
+    assert int(state.num_skipped) == 4 and not bool(state.last_finite)
+    assert int(state.inner[0].count) == 0
+    return
+  if how == "schedule":
+    tx = kl.kfac(_nan_lr_schedule, c, damping=1e-2)
+    seen, state = _run(tx, params, batches)
+  else:
+    tx = optax.inject_hyperparams(kl.kfac, static_args=("collection",))(
+        learning_rate=0.1, collection=c, damping=1e-2)
+    step = jax.jit(lambda p, s, b: tx.update(
+        jax.grad(helpers.classifier_loss)(p, b), s, p, batch=b))
+    state, seen, p = tx.init(params), [], params
+    for i, b in enumerate(batches):
+      if i == 2:
+        state.hyperparams["learning_rate"] = jnp.asarray(jnp.nan)
+      updates, state = step(p, state, b)
+      p = optax.apply_updates(p, updates)
+      seen.append(p)
+    state = state.inner_state
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(seen))
+  assert not np.array_equal(jax.tree.leaves(seen[1])[0],
+                            jax.tree.leaves(seen[0])[0])  # steps 0, 1 ran
+  helpers.assert_trees_close(seen[2], seen[1], rtol=0)
+  helpers.assert_trees_close(seen[3], seen[1], rtol=0)
+  assert int(state.num_skipped) == 2 and not bool(state.last_finite)
+  assert int(state.inner[0].count) == 2   # the curvature kept its count
+  if how == "schedule":
+    assert int(state.inner[-1].count) == 2  # and so did the schedule
+
+
+def test_kfac_optimizer_nonfinite_fixed_learning_rate_is_skipped(problem):
+  params, _, c = problem
+  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
+             for i in range(2)]
+  tx = kl.kfac_optimizer(c, adapt_learning_rate=False,
+                         learning_rate=jnp.asarray(jnp.nan))
+  seen, state = _run(tx, params, batches)
+  for p in seen:
+    helpers.assert_trees_close(p, params, rtol=0)
+  assert int(state.num_skipped) == 2
+  assert not bool(state.curvature.last_finite)
+  assert int(state.curvature.count) == 0
+
+
 @pytest.mark.parametrize("damping", [1e-10, 1e10])
 def test_extreme_damping_and_ill_conditioned_factors_stay_finite(damping):
   # Factors with condition number ~1e8.

@@ -2,7 +2,8 @@
 
 ``kfac`` and ``kfac_optimizer`` never put the factors or caches inside a
 conditional or a select on "the inputs are finite": the curvature state
-guards itself (``Curvature.step(gate=...)``).
+guards itself (``update_curvature`` gates its counters, key and refresh on
+its inputs being finite).
 """
 
 import re
@@ -14,6 +15,8 @@ import optax
 import pytest
 
 import kfac_jax_lite as kl
+from kfac_jax_lite import _xla_cpu
+from kfac_jax_lite import trees
 from tests import helpers
 
 
@@ -60,8 +63,9 @@ def test_nonfinite_grads_keep_schedule_caches_and_momentum(problem):
   nan_stats = jax.tree.map(lambda x: x * jnp.nan, stats)
   _, new = step(grads, state, params, nan_stats)
   assert int(new.num_skipped) == 1
-  for o, n in zip(jax.tree.leaves(_kfac_state(state)),
-                  jax.tree.leaves(_kfac_state(new))):
+  assert not bool(new.last_finite) and not bool(_kfac_state(new).last_finite)
+  for o, n in zip(jax.tree.leaves(_kfac_state(state)._replace(last_finite=0)),
+                  jax.tree.leaves(_kfac_state(new)._replace(last_finite=0))):
     np.testing.assert_array_equal(n, o)
 
 
@@ -331,7 +335,7 @@ def test_all_finite_checks_every_float_leaf(where):
   from kfac_jax_lite import linalg
   scale = 3e38 / 40 if where == "huge" else 1.0
   small = [jnp.ones((3, 4)) * i * scale for i in range(40)]  # concatenated
-  large = jnp.ones((linalg.FINITE_ALONE + 5,)) * scale        # checked alone
+  large = jnp.ones((_xla_cpu.FINITE_ALONE + 5,)) * scale        # checked alone
   half = jnp.ones((7,), jnp.bfloat16)                        # its own chunk
   cplx = jnp.ones((6,), jnp.complex64)
   ints = jnp.arange(5)                                       # always finite
@@ -348,6 +352,6 @@ def test_all_finite_checks_every_float_leaf(where):
   elif bad:
     half = half.at[3].set(value)
   tree = {"s": small, "l": large, "h": half, "c": cplx, "i": ints}
-  got = jax.jit(linalg.all_finite)(tree)
+  got = jax.jit(trees.all_finite)(tree)
   assert bool(got) == (where in ("none", "huge"))
-  assert bool(linalg.all_finite({})) and bool(linalg.all_finite([ints]))
+  assert bool(trees.all_finite({})) and bool(trees.all_finite([ints]))

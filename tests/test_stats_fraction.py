@@ -118,11 +118,10 @@ def test_small_batches_keep_every_example_by_default():
 def test_transforms_pass_the_fraction_to_their_estimator():
   params, batch = _problem()
   collection = kl.scan(helpers.classifier_loss, params, batch)
-  for tx in (kl.kfac(1e-2, collection, stats_fraction=0.5,
-                     stats_min_examples=1, estimation_mode="exact"),
-             kl.kfac_optimizer(collection, stats_fraction=0.5,
-                               stats_min_examples=1,
-                               estimation_mode="exact")):
+  est = kl.FisherEstimator(collection, stats_fraction=0.5,
+                           stats_min_examples=1, estimation_mode="exact")
+  for tx in (kl.kfac(1e-2, collection, estimator=est),
+             kl.kfac_optimizer(collection, estimator=est)):
     state = tx.init(params)
     grads = jax.grad(helpers.classifier_loss)(params, batch)
     updates, state = jax.jit(lambda g, s, p, b, tx=tx: tx.update(

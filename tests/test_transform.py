@@ -127,8 +127,15 @@ def test_unknown_extra_args_are_ignored(problem):
     ({"cov_ema_decay": 1.0}, "cov_ema_decay=1.0"),
     ({"estimation_mode": "fisher"}, "estimation_mode='fisher'"),
     ({"power": 0.5}, "power=0.5"),
+    ({"power": jnp.asarray(-1)}, "static_args=\\('power',\\)"),
+    ({"estimation_mode": "exact", "estimator": "est"},
+     "estimation_mode='exact' given with estimator="),
+    ({"power": -0.5, "estimator": "est"},
+     r"power=-0.5 is not in .*exps=\[-1\]"),
 ])
 def test_bad_hyperparameters(problem, kwargs, match):
+  if kwargs.get("estimator") == "est":
+    kwargs = dict(kwargs, estimator=kl.FisherEstimator(problem[2]))
   with pytest.raises(ValueError, match=match):
     kl.scale_by_kfac(problem[2], **kwargs)
 
@@ -237,3 +244,92 @@ def test_damping_schedule_and_weight_decay(problem):
                          batch=batches[0])
   helpers.assert_trees_close(
       u1, jax.tree.map(lambda a, p: a - lr * wd * p, u0, params), 1e-5)
+
+
+def _steps(tx, params, batches, poison=()):
+  """Updates and states of jitted steps from ``value_grad_and_stats``;
+  the gradients of the steps in ``poison`` are NaN."""
+  vgs = kl.value_grad_and_stats(helpers.classifier_loss, tx[1])
+  tx = tx[0]
+
+  def step(p, s, b, bad):
+    _, grads, stats = vgs(p, b, jax.random.PRNGKey(0))
+    grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
+    batch = b if isinstance(s, kl.KFACOptimizerState) else None
+    return tx.update(grads, s, p, stats=stats, batch=batch)
+
+  step = jax.jit(step)
+  state, out = tx.init(params), []
+  for i, b in enumerate(batches):
+    updates, state = step(params, state, b, i in poison)
+    params = optax.apply_updates(params, updates)
+    out.append((updates, state))
+  return out
+
+
+def test_kfac_is_the_chain_it_is_built_from(problem):
+  """``kfac`` = ``skip_nonfinite(chain(scale_by_kfac, add_decayed_weights,
+  trace, scale_by_learning_rate))``: bitwise the same updates and states,
+  a skipped step included."""
+  params, batches, c = problem
+  lr = optax.linear_schedule(0.1, 0.05, 4)
+  kw = dict(damping=1e-2, inverse_update_period=2, norm_constraint=1e-2)
+  fused = kl.kfac(lr, c, momentum=0.8, weight_decay=1e-3, **kw)
+  chain = kl.skip_nonfinite(optax.chain(
+      kl.scale_by_kfac(c, learning_rate=lr, **kw),
+      optax.add_decayed_weights(1e-3), optax.trace(decay=0.8),
+      optax.scale_by_learning_rate(lr)))
+  got = _steps((fused, c), params, batches * 2, poison=(2,))
+  want = _steps((chain, c), params, batches * 2, poison=(2,))
+  assert int(got[-1][1].num_skipped) == 1
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_last_finite_survives_chain_and_inject_hyperparams(problem):
+  """The step's finiteness is state (``last_finite``), so a
+  ``skip_nonfinite`` outside a chain, or an ``inject_hyperparams`` around
+  ``scale_by_kfac`` or ``kfac``, still sees it."""
+  params, batches, c = problem
+  inner = optax.inject_hyperparams(
+      kl.scale_by_kfac, static_args=("collection", "power"))(c, damping=1e-2)
+  wrapped = kl.skip_nonfinite(optax.chain(optax.clip_by_global_norm(1.0),
+                                          inner, optax.sgd(0.1)))
+  injected = optax.inject_hyperparams(kl.kfac, static_args=("collection",))(
+      learning_rate=0.1, collection=c, damping=1e-2)
+  for tx, outer in ((wrapped, lambda s: s),
+                    (injected, lambda s: s.inner_state)):
+    out = _steps((tx, c), params, batches[:3], poison=(1,))
+    flags = [bool(outer(s).last_finite) for _, s in out]
+    assert flags == [True, False, True]
+    assert [int(outer(s).num_skipped) for _, s in out] == [0, 1, 1]
+    assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(out[1][0]))
+    curvature = [x for x in jax.tree.leaves(
+        out[1][1], is_leaf=lambda x: isinstance(x, kl.CurvatureState))
+                 if isinstance(x, kl.CurvatureState)]
+    assert len(curvature) == 1 and not bool(curvature[0].last_finite)
+    assert int(curvature[0].count) == 1
+
+
+def test_estimator_escape_hatch(problem):
+  """Options left out of the factories' arguments are set on the estimator
+  (``estimator=``): the same results as through the arguments that remain,
+  and options only the estimator has (``exps`` for ``power=-0.5``)."""
+  params, batches, c = problem
+  for a, b in ((kl.kfac(0.1, c, estimation_mode="empirical"),
+                kl.kfac(0.1, c, estimator=kl.FisherEstimator(
+                    c, estimation_mode="empirical"))),
+               (kl.kfac_optimizer(c, estimation_mode="empirical"),
+                kl.kfac_optimizer(c, estimator=kl.FisherEstimator(
+                    c, estimation_mode="empirical", stats_fraction=0.25)))):
+    got = _steps((a, c), params, batches[:2])
+    want = _steps((b, c), params, batches[:2])
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(x, y)
+  est = kl.FisherEstimator(c, exps=(-1, -0.5))
+  half = _steps((kl.scale_by_kfac(c, power=-0.5, estimator=est), c),
+                params, batches[:1])[0]
+  direct = est.multiply_matpower(half[1].estimator, jax.grad(
+      helpers.classifier_loss)(params, batches[0]), -0.5)
+  helpers.assert_trees_close(half[0], direct, rtol=1e-6)
