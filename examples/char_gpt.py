@@ -23,10 +23,13 @@ count training steps only (evaluation excluded), first call included.
 Optimizers (the recipe and its measurements: ``docs/transformers.md``):
 
 * AdamW: ``optax.adamw(--adam-lr, weight_decay=0.01)``, constant rate.
-* K-FAC: :func:`kfac_jax_lite.kfac` with a linear learning-rate warm-up,
-  momentum, decoupled weight decay and KL clipping; its loss, gradient and
-  curvature statistics come from one forward pass
-  (:func:`kfac_jax_lite.value_grad_and_stats`).
+* K-FAC (default): the direction ``F̂⁻¹g`` of
+  :func:`kfac_jax_lite.scale_by_kfac`, rescaled per parameter tensor to the
+  norm of RMSProp's step (:func:`graft_to_rms`), then AdamW's momentum,
+  decoupled weight decay and learning rate: AdamW with K-FAC's directions.
+  The curvature statistics come from the first ``--kfac-stats-fraction``
+  of each batch's sequences. ``--no-graft`` runs :func:`kfac_jax_lite.kfac`
+  instead (heavy-ball momentum, KL clipping, optional warm-up).
 
 At the end it prints the validation loss of both at equal steps and at equal
 seconds, writes a PNG of both curves against steps and seconds, and prints a
@@ -175,33 +178,76 @@ def make_loss_fn(graphdef, context: int) -> Callable:
 # ---------------------------------------------------------- optimizers ----
 
 
-def kfac_settings(args: argparse.Namespace) -> dict:
-  """Keyword arguments of :func:`kfac_jax_lite.kfac`, plus ``stats_fraction``
-  (the share of each batch's sequences the curvature is estimated from)."""
+def graft_to_rms(direction: optax.GradientTransformationExtraArgs, *,
+                 decay: float = 0.999, eps: float = 1e-8
+                 ) -> optax.GradientTransformationExtraArgs:
+  """Per-tensor step-size grafting: ``direction``'s shape, RMSProp's norm.
+
+  .. math::
+    u_i = d_i\\,\\frac{\\lVert r_i\\rVert}{\\lVert d_i\\rVert},\\qquad
+    r = g / (\\sqrt{\\hat v} + \\epsilon)
+
+  for each parameter tensor ``i``, with ``d`` the output of ``direction``
+  (here the K-FAC direction ``F̂⁻¹g``) and ``v̂`` Adam's bias-corrected
+  second moment. Followed by momentum, decoupled weight decay and a
+  learning rate it is AdamW with K-FAC's directions, so AdamW's learning
+  rate carries over (Agarwal et al. 2020, "Disentangling adaptive gradient
+  methods from learning rates"; the grafting of Shampoo, Anil et al. 2020).
+  """
+  rms = optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False,
+                           bias_correction=True)
+
+  def init_fn(params):
+    return direction.init(params), rms.init(params)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    d, d_state = direction.update(updates, state[0], params, **extra_args)
+    r, r_state = rms.update(updates, state[1], params)
+
+    def graft(di, ri):
+      nd, nr = jnp.linalg.norm(di), jnp.linalg.norm(ri)
+      return jnp.where(nd > 0, di * (nr / jnp.where(nd > 0, nd, 1.0)), ri)
+    return jax.tree.map(graft, d, r), (d_state, r_state)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def kfac_transform(collection, args: argparse.Namespace, seed: int = 0
+                   ) -> optax.GradientTransformationExtraArgs:
+  """The K-FAC optimizer of ``args`` (descent updates; takes ``batch=``).
+
+  Default (grafted): ``F̂⁻¹g`` (:func:`kfac_jax_lite.scale_by_kfac`)
+  grafted per tensor onto RMSProp's norm, Adam's momentum (a debiased
+  EMA), decoupled weight decay, learning rate. ``--no-graft``:
+  :func:`kfac_jax_lite.kfac` (heavy-ball momentum on the natural
+  gradient, KL clipping) with a linear learning-rate warm-up.
+  """
   warmup = max(args.kfac_warmup, 0)
   lr = (optax.linear_schedule(args.kfac_lr / max(warmup, 1), args.kfac_lr,
                               warmup) if warmup else args.kfac_lr)
-  return dict(learning_rate=lr, damping=args.kfac_damping,
-              momentum=args.kfac_momentum,
-              weight_decay=args.kfac_weight_decay,
-              norm_constraint=args.kfac_norm_constraint or None,
-              inverse_update_period=args.kfac_inverse_period,
-              cov_update_period=args.kfac_cov_period,
-              stats_fraction=args.kfac_stats_fraction)
+  curvature = dict(damping=args.kfac_damping,
+                   inverse_update_period=args.kfac_inverse_period,
+                   cov_update_period=args.kfac_cov_period, seed=seed)
+  if not args.graft:
+    return kfac_jax_lite.kfac(
+        lr, collection, momentum=args.kfac_momentum,
+        weight_decay=args.kfac_weight_decay,
+        norm_constraint=args.kfac_norm_constraint or None, **curvature)
+  plain = optax.with_extra_args_support
+  return optax.chain(
+      graft_to_rms(kfac_jax_lite.scale_by_kfac(collection, **curvature)),
+      plain(optax.ema(args.kfac_momentum, debias=True)),
+      plain(optax.add_decayed_weights(args.kfac_weight_decay)),
+      plain(optax.scale_by_learning_rate(lr)))
 
 
-def make_kfac_runner(loss_fn: Callable, collection, settings: dict,
-                     params, seed: int):
+def make_kfac_runner(loss_fn: Callable, tx, fraction: float, params):
   """``(state, step)`` with ``step(params, state, batch, count)``, jitted.
 
   The gradient is that of the whole batch; the curvature statistics come
   from the first ``⌈f·B⌉`` sequences only, passed as ``batch=`` so that
-  :func:`kfac_jax_lite.kfac` runs their (small) forward and backward pass
-  only on the steps that update the statistics (``cov_update_period``).
+  K-FAC runs their (small) forward and backward pass only on the steps
+  that update the statistics (``cov_update_period``).
   """
-  settings = dict(settings)
-  fraction = settings.pop("stats_fraction", 1.0)
-  tx = kfac_jax_lite.kfac(collection=collection, seed=seed, **settings)
 
   @jax.jit
   def step(params, state, batch):
@@ -370,14 +416,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--adam-lr", type=float, default=3e-3)
-  p.add_argument("--kfac-lr", type=float, default=0.1)
-  p.add_argument("--kfac-warmup", type=int, default=50,
+  p.add_argument("--kfac-lr", type=float, default=3e-3)
+  p.add_argument("--graft", action=argparse.BooleanOptionalAction,
+                 default=True, help="graft K-FAC's direction onto RMSProp's "
+                 "per-tensor norm (--no-graft: kfac_jax_lite.kfac)")
+  p.add_argument("--kfac-warmup", type=int, default=0,
                  help="steps of linear learning-rate warm-up")
   p.add_argument("--kfac-damping", type=float, default=1e-2)
   p.add_argument("--kfac-momentum", type=float, default=0.9)
-  p.add_argument("--kfac-weight-decay", type=float, default=0.0)
-  p.add_argument("--kfac-norm-constraint", type=float, default=1e-2,
-                 help="KL clipping C (0: off)")
+  p.add_argument("--kfac-weight-decay", type=float, default=0.01)
+  p.add_argument("--kfac-norm-constraint", type=float, default=1e-3,
+                 help="KL clipping C with --no-graft (0: off)")
   p.add_argument("--kfac-inverse-period", type=int, default=10)
   p.add_argument("--kfac-cov-period", type=int, default=1,
                  help="update the curvature statistics every N steps")
@@ -424,8 +473,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         f"{jax.devices()[0].platform}; {args.steps} steps of "
         f"{args.batch_size}x{args.context} characters\n", flush=True)
   kfac_state, kfac_step = make_kfac_runner(
-      s["loss_fn"], s["collection"], kfac_settings(args), s["params"],
-      args.seed)
+      s["loss_fn"], kfac_transform(s["collection"], args, args.seed),
+      args.kfac_stats_fraction, s["params"])
   adam_state, adam_step = make_adamw_runner(s["loss_fn"], args.adam_lr,
                                             s["params"])
   runs = [Run("kfac", s["params"], kfac_state, kfac_step),
