@@ -422,7 +422,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  "per-tensor norm (--no-graft: kfac_jax_lite.kfac)")
   p.add_argument("--kfac-warmup", type=int, default=0,
                  help="steps of linear learning-rate warm-up")
-  p.add_argument("--kfac-damping", type=float, default=1e-2)
+  p.add_argument("--kfac-damping", type=float, default=1e-3)
   p.add_argument("--kfac-momentum", type=float, default=0.9)
   p.add_argument("--kfac-weight-decay", type=float, default=0.01)
   p.add_argument("--kfac-norm-constraint", type=float, default=1e-3,
