@@ -22,7 +22,8 @@ Printed: each run's validation curve summary, then
 Run::
 
   python benchmarks/gpt_race.py                 # ~30-40 min on 2 CPUs
-  python benchmarks/gpt_race.py --long 600 --adam-lrs 3e-3   # ~5 min
+  python benchmarks/gpt_race.py --long 600 --adam-lrs 3e-3
+  python benchmarks/gpt_race.py --profile       # flops and time per part
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "..", "examples"))
 
+import math  # noqa: E402
+import time  # noqa: E402
+
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax_lite  # noqa: E402
 
 import char_gpt  # noqa: E402  pylint: disable=g-import-not-at-top
 
@@ -48,6 +56,9 @@ def parse_args(argv: Optional[Sequence[str]]):
   p.add_argument("--long", type=int, default=2000)
   p.add_argument("--adam-lrs", default="1e-3,3e-3,1e-2")
   p.add_argument("--kfac-max-steps", type=int, default=2000)
+  p.add_argument("--profile", action="store_true",
+                 help="only print XLA's flops and the time of each part of "
+                 "K-FAC's step")
   args, rest = p.parse_known_args(argv)
   if not 1 <= args.short <= args.long:
     p.error(f"need 1 <= --short ({args.short}) <= --long ({args.long})")
@@ -88,9 +99,62 @@ def race_until(runs, limits, targets, batch_fn, eval_fn, every) -> None:
   print()
 
 
+def profile(s: dict, gpt) -> None:
+  """XLA's flop estimate, compile seconds and median of 5 runs of each part
+  of K-FAC's step, each jitted alone (LAPACK calls are not counted)."""
+  params, loss_fn = s["params"], s["loss_fn"]
+  batch = s["batch_fn"](0)
+  rows = max(1, math.ceil(gpt.kfac_stats_fraction * gpt.batch_size))
+  head = jax.tree.map(lambda x: x[:rows], batch)
+  key = jax.random.PRNGKey(0)
+  est = kfac_jax_lite.FisherEstimator(s["collection"],
+                                      damping=gpt.kfac_damping)
+  state = jax.jit(lambda st: est.update_curvature(
+      st, params, head, key))(est.init(params))
+  state = jax.jit(est.update_cache)(state)
+  grads = jax.grad(loss_fn)(params, batch)
+  adamw = optax.adamw(gpt.adam_lr, weight_decay=0.01)
+
+  def adamw_step(p, st, b):
+    loss, g = jax.value_and_grad(loss_fn)(p, b)
+    u, st = adamw.update(g, st, p)
+    return optax.apply_updates(p, u), st, loss
+
+  parts = [
+      ("AdamW step", adamw_step, (params, adamw.init(params), batch)),
+      ("loss and gradient", jax.value_and_grad(loss_fn), (params, batch)),
+      (f"statistics, first {rows} sequences", est.compute_stats,
+       (params, head, key)),
+      (f"statistics, all {gpt.batch_size} sequences", est.compute_stats,
+       (params, batch, key)),
+      ("EMA of the factors", lambda st, b: est.update_curvature(
+          st, params, b, key), (state, head)),
+      ("preconditioning", est.multiply_inverse, (state, grads)),
+      ("refresh (update_cache)", est.update_cache, (state,)),
+  ]
+  print(f"{'part':36} {'GFLOP':>8} {'compile':>8} {'ms':>8}")
+  for name, fn, args in parts:
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(5):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times.append(time.perf_counter() - t0)
+    print(f"{name:36} {cost.get('flops', float('nan')) / 1e9:8.2f} "
+          f"{seconds:7.1f}s {1e3 * np.median(times):8.1f}", flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   args, gpt = parse_args(argv)
   s = char_gpt.setup(gpt)
+  if args.profile:
+    profile(s, gpt)
+    return {}
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; "
         f"{gpt.batch_size}x{gpt.context} characters a step\n", flush=True)
   runs = []
