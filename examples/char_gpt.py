@@ -38,6 +38,7 @@ short text sample from each model.
 Run::
 
   python examples/char_gpt.py                        # a few minutes, 2 CPUs
+  python examples/char_gpt.py --steps 150 --kfac-damping 1e-2
   python examples/char_gpt.py --steps 2000 --width 256 --layers 6
 """
 
