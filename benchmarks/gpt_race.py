@@ -180,16 +180,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 def report(args, adams, kfac) -> dict:
   """Prints the tables; returns the measured ratios."""
+  marks = sorted({args.short, args.long})
   print(f"{'run':>10} " + " ".join(f"{'valid@' + str(n):>10}"
-                                   for n in (args.short, args.long))
+                                   for n in marks)
         + f" {'ms/step':>8} {'first call':>10}")
   for r in adams + [kfac]:
     cells = [f"{loss_at_step(r, n):10.3f}" if r.steps >= n else
-             f"{'-':>10}" for n in (args.short, args.long)]
+             f"{'-':>10}" for n in marks]
     print(f"{r.name:>10} " + " ".join(cells)
           + f" {1e3 * char_gpt.median_step(r):8.1f} {r.first_call:9.2f}s")
   out = {}
-  for n in (args.short, args.long):
+  for n in marks:
     best = min(adams, key=lambda a, n=n: loss_at_step(a, n))
     target, budget = loss_at_step(best, n), seconds_at_step(best, n)
     t = char_gpt.seconds_to_loss(kfac, target)

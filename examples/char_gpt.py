@@ -67,7 +67,7 @@ DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 
 def load_text(path: str, valid_fraction: float = 0.1):
-  """``(train_ids, valid_ids, chars)``: the text as int32 ids, split by position."""
+  """``(train_ids, valid_ids, chars)``: int32 ids, split by position."""
   if not os.path.exists(path):
     raise FileNotFoundError(
         f"Text file {path!r} not found. The repository ships tiny "
@@ -343,7 +343,7 @@ def race(runs: Sequence[Run], batch_fn: Callable, eval_fn: Callable,
 
 def loss_at_seconds(run: Run, seconds: float) -> float:
   """Validation loss interpolated at ``seconds`` of training."""
-  steps, secs, losses = zip(*run.curve)
+  _, secs, losses = zip(*run.curve)
   return float(np.interp(seconds, secs, losses))
 
 
