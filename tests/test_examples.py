@@ -122,3 +122,28 @@ def test_rnn_sequential_mnist_runs(approx, mnist):
   for name in ("kfac", "adam"):
     assert len(results[name]["losses"]) == 3, name
     assert _finite(results[name]["losses"]), name
+
+
+def test_char_gpt_races_kfac_and_adamw(tmp_path, capsys):
+  pytest.importorskip("flax")
+  pytest.importorskip("matplotlib")
+  char_gpt = _load_example("char_gpt")
+  data = tmp_path / "cycle.txt"  # Predictable: both must learn in 6 steps.
+  data.write_text("abcdefgh" * 1000)
+  png = tmp_path / "gpt.png"
+  runs = char_gpt.main(["--data", str(data), "--steps", "6", "--eval-every",
+                        "3", "--width", "16", "--heads", "2", "--layers", "1",
+                        "--context", "8", "--batch-size", "4",
+                        "--eval-batches", "1", "--sample-length", "7",
+                        "--kfac-lr", "0.01", "--adam-lr", "0.01",
+                        "--kfac-stats-fraction", "0.5", "--plot", str(png)])
+  assert set(runs) == {"kfac", "adamw"}
+  for name, run in runs.items():
+    assert run.steps == 6 and len(run.step_seconds) == 6, name
+    assert [s for s, _, _ in run.curve] == [0, 3, 6], name
+    assert _finite([l for _, _, l in run.curve]), (name, run.curve)
+    # Both learn the cycle: validation loss falls well below log(8).
+    assert run.curve[-1][2] < 0.8 * run.curve[0][2], (name, run.curve)
+  assert png.stat().st_size > 0
+  out = capsys.readouterr().out
+  assert "--- kfac sample ---" in out and "at 6 steps: K-FAC" in out

@@ -1,0 +1,519 @@
+"""A small character-level GPT in flax nnx on tiny Shakespeare: K-FAC vs AdamW.
+
+Model: token embedding plus learned positions, ``--layers`` pre-LayerNorm
+blocks of causal multi-head self-attention and a GELU MLP (width 4·D), a
+final LayerNorm and a dense head over the 65 characters. At the defaults
+(``D=128``, ``T=64``, 4 blocks, 4 heads) it has 0.82M parameters. The
+model is plain ``nnx.Linear`` / ``nnx.Embed`` / ``nnx.LayerNorm`` with no
+layer tags: :func:`kfac_jax_lite.scan` recognises the dense layers, the
+token embedding and the LayerNorms by itself and prints what it found.
+
+Loss: the mean over the ``B·T`` positions of the next-character
+cross-entropy. The ``[B, T, V]`` logits are registered as a categorical
+distribution with ``weight=LOSS_TAG_WEIGHT(T)`` (see :func:`loss_tag_weight`).
+
+Data: ``examples/data/tinyshakespeare.txt`` (provenance in
+``examples/data/README.md``), the first 90% for training and the last 10%
+for validation. Both optimizers train from the same initialisation on the
+same random windows, in alternating chunks of ``--eval-every`` steps in one
+process, so a busy machine slows both alike. The validation loss is the
+mean over ``--eval-batches`` fixed windows of the validation text; seconds
+count training steps only (evaluation excluded), first call included.
+
+Optimizers (the recipe and its measurements: ``docs/transformers.md``):
+
+* AdamW: ``optax.adamw(--adam-lr, weight_decay=0.01)``, constant rate.
+* K-FAC (default): the direction ``F̂⁻¹g`` of
+  :func:`kfac_jax_lite.scale_by_kfac`, rescaled per parameter tensor to the
+  norm of RMSProp's step (:func:`graft_to_rms`), then AdamW's momentum,
+  decoupled weight decay and learning rate: AdamW with K-FAC's directions.
+  The curvature statistics come from the first ``--kfac-stats-fraction``
+  of each batch's sequences. ``--no-graft`` runs :func:`kfac_jax_lite.kfac`
+  instead (heavy-ball momentum, KL clipping, optional warm-up).
+
+At the end it prints the validation loss of both at equal steps and at equal
+seconds, writes a PNG of both curves against steps and seconds, and prints a
+short text sample from each model.
+
+Run::
+
+  python examples/char_gpt.py                        # a few minutes, 2 CPUs
+  python examples/char_gpt.py --steps 150 --kfac-damping 1e-2
+  python examples/char_gpt.py --steps 2000 --width 256 --layers 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kfac_jax_lite
+
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                            "data", "tinyshakespeare.txt")
+
+
+# ---------------------------------------------------------------- data ----
+
+
+def load_text(path: str, valid_fraction: float = 0.1):
+  """``(train_ids, valid_ids, chars)``: int32 ids, split by position."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"Text file {path!r} not found. The repository ships tiny "
+        f"Shakespeare at {DEFAULT_DATA!r}; pass --data PATH for another.")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  chars = sorted(set(text))
+  lookup = {c: i for i, c in enumerate(chars)}
+  ids = np.array([lookup[c] for c in text], np.int32)
+  cut = int(len(ids) * (1.0 - valid_fraction))
+  return ids[:cut], ids[cut:], chars
+
+
+def windows(ids: np.ndarray, starts: np.ndarray, context: int) -> dict:
+  """Inputs ``ids[s:s+T]`` and next-character targets for each start s."""
+  idx = starts[:, None] + np.arange(context)[None]
+  return {"x": ids[idx], "y": ids[idx + 1]}
+
+
+def train_batch(ids: np.ndarray, step: int, batch_size: int, context: int,
+                seed: int) -> dict:
+  """The random training windows of step ``step`` (the same for every run)."""
+  rng = np.random.default_rng((seed, step))
+  return windows(ids, rng.integers(0, len(ids) - context - 1, batch_size),
+                 context)
+
+
+def valid_batches(ids: np.ndarray, count: int, batch_size: int,
+                  context: int) -> list:
+  """``count`` fixed batches of windows spread evenly over ``ids``."""
+  starts = np.linspace(0, len(ids) - context - 2, count * batch_size)
+  return [windows(ids, s.astype(np.int64), context)
+          for s in np.split(starts, count)]
+
+
+# --------------------------------------------------------------- model ----
+
+
+class Block(nnx.Module):
+  """Pre-LayerNorm transformer block: causal attention, then a GELU MLP."""
+
+  def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs):
+    self.heads = heads
+    self.ln1 = nnx.LayerNorm(width, rngs=rngs)
+    self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
+    self.proj = nnx.Linear(width, width, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(width, rngs=rngs)
+    self.fc = nnx.Linear(width, 4 * width, rngs=rngs)
+    self.out = nnx.Linear(4 * width, width, rngs=rngs)
+
+  def __call__(self, x):
+    b, t, d = x.shape
+    q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+    q, k, v = (z.reshape(b, t, self.heads, d // self.heads)
+               for z in (q, k, v))
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d // self.heads)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v)
+    x = x + self.proj(y.reshape(b, t, d))
+    return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+  """Token and position embeddings, blocks, final LayerNorm, dense head."""
+
+  def __init__(self, vocab: int, context: int, width: int, layers: int,
+               heads: int, *, rngs: nnx.Rngs):
+    if width % heads:
+      raise ValueError(f"--width {width} must be a multiple of --heads "
+                       f"{heads}.")
+    self.tok = nnx.Embed(vocab, width, rngs=rngs)
+    self.pos = nnx.Embed(context, width, rngs=rngs)
+    self.blocks = nnx.List([Block(width, heads, rngs=rngs)
+                            for _ in range(layers)])
+    self.ln = nnx.LayerNorm(width, rngs=rngs)
+    self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.tok(ids) + self.pos(jnp.arange(ids.shape[1]))[None]
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.ln(x))
+
+
+def loss_tag_weight(context: int) -> float:
+  """``weight=`` of the ``[B, T, V]`` loss tag: ``1/T``.
+
+  With it the registered curvature is that of the mean over all ``B·T``
+  positions, which is the loss below: this version of the library counts
+  a ``[B, T, V]`` tag's time axis as a sum (docs/transformers.md).
+  """
+  return 1.0 / context
+
+
+def make_loss_fn(graphdef, context: int) -> Callable:
+  """``loss_fn(params, batch)``: mean next-character cross-entropy."""
+  weight = loss_tag_weight(context)
+
+  def loss_fn(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["x"])
+    logits = kfac_jax_lite.register_categorical_predictive_distribution(
+        logits, batch["y"], weight=weight)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["y"]).mean()
+  return loss_fn
+
+
+# ---------------------------------------------------------- optimizers ----
+
+
+def graft_to_rms(direction: optax.GradientTransformationExtraArgs, *,
+                 decay: float = 0.999, eps: float = 1e-8
+                 ) -> optax.GradientTransformationExtraArgs:
+  """Per-tensor step-size grafting: ``direction``'s shape, RMSProp's norm.
+
+  .. math::
+    u_i = d_i\\,\\frac{\\lVert r_i\\rVert}{\\lVert d_i\\rVert},\\qquad
+    r = g / (\\sqrt{\\hat v} + \\epsilon)
+
+  for each parameter tensor ``i``, with ``d`` the output of ``direction``
+  (here the K-FAC direction ``F̂⁻¹g``) and ``v̂`` Adam's bias-corrected
+  second moment. Followed by momentum, decoupled weight decay and a
+  learning rate it is AdamW with K-FAC's directions, so AdamW's learning
+  rate carries over (Agarwal et al. 2020, "Disentangling adaptive gradient
+  methods from learning rates"; the grafting of Shampoo, Anil et al. 2020).
+  """
+  rms = optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False,
+                           bias_correction=True)
+
+  def init_fn(params):
+    return direction.init(params), rms.init(params)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    d, d_state = direction.update(updates, state[0], params, **extra_args)
+    r, r_state = rms.update(updates, state[1], params)
+
+    def graft(di, ri):
+      nd, nr = jnp.linalg.norm(di), jnp.linalg.norm(ri)
+      return jnp.where(nd > 0, di * (nr / jnp.where(nd > 0, nd, 1.0)), ri)
+    return jax.tree.map(graft, d, r), (d_state, r_state)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def kfac_transform(collection, args: argparse.Namespace, seed: int = 0
+                   ) -> optax.GradientTransformationExtraArgs:
+  """The K-FAC optimizer of ``args`` (descent updates; takes ``batch=``).
+
+  Default (grafted): ``F̂⁻¹g`` (:func:`kfac_jax_lite.scale_by_kfac`)
+  grafted per tensor onto RMSProp's norm, Adam's momentum (a debiased
+  EMA), decoupled weight decay, learning rate. ``--no-graft``:
+  :func:`kfac_jax_lite.kfac` (heavy-ball momentum on the natural
+  gradient, KL clipping) with a linear learning-rate warm-up.
+  """
+  warmup = max(args.kfac_warmup, 0)
+  lr = (optax.linear_schedule(args.kfac_lr / max(warmup, 1), args.kfac_lr,
+                              warmup) if warmup else args.kfac_lr)
+  curvature = dict(damping=args.kfac_damping,
+                   inverse_update_period=args.kfac_inverse_period,
+                   cov_update_period=args.kfac_cov_period, seed=seed)
+  if not args.graft:
+    return kfac_jax_lite.kfac(
+        lr, collection, momentum=args.kfac_momentum,
+        weight_decay=args.kfac_weight_decay,
+        norm_constraint=args.kfac_norm_constraint or None, **curvature)
+  plain = optax.with_extra_args_support
+  return optax.chain(
+      graft_to_rms(kfac_jax_lite.scale_by_kfac(collection, **curvature)),
+      plain(optax.ema(args.kfac_momentum, debias=True)),
+      plain(optax.add_decayed_weights(args.kfac_weight_decay)),
+      plain(optax.scale_by_learning_rate(lr)))
+
+
+def make_kfac_runner(loss_fn: Callable, tx, fraction: float, params):
+  """``(state, step)`` with ``step(params, state, batch, count)``, jitted.
+
+  The gradient is that of the whole batch; the curvature statistics come
+  from the first ``⌈f·B⌉`` sequences only, passed as ``batch=`` so that
+  K-FAC runs their (small) forward and backward pass only on the steps
+  that update the statistics (``cov_update_period``).
+  """
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    rows = max(1, math.ceil(fraction * batch["x"].shape[0]))
+    head = jax.tree.map(lambda x: x[:rows], batch)
+    updates, state = tx.update(grads, state, params, batch=head)
+    return optax.apply_updates(params, updates), state, loss
+
+  def run(params, state, batch, count):
+    del count
+    return step(params, state, batch)
+  return tx.init(params), run
+
+
+def make_adamw_runner(loss_fn: Callable, lr: float, params):
+  """``(state, step)`` for ``optax.adamw(lr, weight_decay=0.01)``, jitted."""
+  tx = optax.adamw(lr, weight_decay=0.01)
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  def run(params, state, batch, count):
+    del count
+    return step(params, state, batch)
+  return tx.init(params), run
+
+
+def make_eval_fn(loss_fn: Callable, batches: list) -> Callable:
+  """``eval_fn(params) -> float``: mean loss over the validation batches."""
+  stacked = jax.tree.map(lambda *x: np.stack(x), *batches)
+  one = jax.jit(lambda p, b: jax.lax.map(lambda bb: loss_fn(p, bb), b).mean())
+  return lambda params: float(one(params, stacked))
+
+
+# ------------------------------------------------------------ training ----
+
+
+class Run:
+  """One optimizer's params, state, step function and measured curve."""
+
+  def __init__(self, name: str, params, state, step: Callable):
+    self.name, self.params, self.state, self.step = name, params, state, step
+    self.steps, self.seconds, self.first_call = 0, 0.0, None
+    self.curve = []  # (step, seconds, validation loss)
+    self.train_losses, self.step_seconds = [], []
+
+  def advance(self, batch_fn: Callable, count: int) -> None:
+    """``count`` steps on ``batch_fn(step)``; seconds exclude batch making."""
+    for _ in range(count):
+      batch = batch_fn(self.steps)
+      t0 = time.perf_counter()
+      self.params, self.state, loss = self.step(self.params, self.state,
+                                                batch, self.steps)
+      loss = float(loss)  # waits for the step
+      dt = time.perf_counter() - t0
+      self.seconds += dt
+      self.step_seconds.append(dt)
+      if self.first_call is None:
+        self.first_call = dt
+      self.steps += 1
+      self.train_losses.append(loss)
+
+
+def progress(runs: Sequence[Run], total: int, width: int = 24) -> str:
+  """One progress-bar line for the runs (steps done of ``total``)."""
+  done = min(r.steps for r in runs)
+  bar = "#" * (width * done // total) + "." * (width - width * done // total)
+  parts = [f"{r.name} {r.curve[-1][2]:.3f} ({r.seconds:5.1f}s)"
+           for r in runs if r.curve]
+  return f"[{bar}] {done:5d}/{total}  valid " + "  ".join(parts)
+
+
+def race(runs: Sequence[Run], batch_fn: Callable, eval_fn: Callable,
+         steps: int, eval_every: int, show: bool = True) -> None:
+  """Alternates the runs in chunks of ``eval_every`` steps up to ``steps``."""
+  for r in runs:
+    r.curve.append((0, 0.0, eval_fn(r.params)))
+  while min(r.steps for r in runs) < steps:
+    for r in runs:
+      r.advance(batch_fn, min(eval_every, steps - r.steps))
+      r.curve.append((r.steps, r.seconds, eval_fn(r.params)))
+    if show:
+      end = "\n" if not sys.stdout.isatty() else ""
+      print("\r" + progress(runs, steps), end=end, flush=True)
+  if show and sys.stdout.isatty():
+    print()
+
+
+def loss_at_seconds(run: Run, seconds: float) -> float:
+  """Validation loss interpolated at ``seconds`` of training."""
+  _, secs, losses = zip(*run.curve)
+  return float(np.interp(seconds, secs, losses))
+
+
+def median_step(run: Run) -> float:
+  """Median seconds of the steps after the first call."""
+  return float(np.median(run.step_seconds[1:] or run.step_seconds))
+
+
+def seconds_to_loss(run: Run, target: float) -> Optional[float]:
+  """First measured training seconds at which validation loss <= target."""
+  for _, secs, loss in run.curve:
+    if loss <= target:
+      return secs
+  return None
+
+
+# ------------------------------------------------------------- outputs ----
+
+
+def generate(model: GPT, chars: Sequence[str], context: int, length: int,
+             seed: int, prompt: str = "\n") -> str:
+  """``length`` characters sampled from ``model`` after ``prompt``."""
+  lookup = {c: i for i, c in enumerate(chars)}
+  ids = [lookup[c] for c in prompt if c in lookup] or [0]
+  forward = nnx.jit(lambda m, x: m(x))
+  key = jax.random.PRNGKey(seed)
+  for _ in range(length):
+    window = ids[-context:]
+    x = np.zeros((1, context), np.int32)
+    x[0, :len(window)] = window
+    logits = forward(model, x)[0, len(window) - 1]
+    key, sub = jax.random.split(key)
+    ids.append(int(jax.random.categorical(sub, logits)))
+  return "".join(chars[i] for i in ids[len(prompt):])
+
+
+def plot(runs: Sequence[Run], path: str, title: str) -> None:
+  """Validation loss against steps and against seconds, one PNG."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for r in runs:
+    steps, secs, losses = zip(*r.curve)
+    axes[0].plot(steps, losses, label=r.name)
+    axes[1].plot(secs, losses, label=r.name)
+  for ax, xlabel in zip(axes, ("step", "training seconds (first call in)")):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation loss (nats/char)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+# ---------------------------------------------------------------- main ----
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description="Train an untagged flax nnx char-level GPT on tiny "
+      "Shakespeare with K-FAC and with AdamW, side by side.",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--data", default=DEFAULT_DATA, help="a text file")
+  p.add_argument("--steps", type=int, default=600, help="steps per optimizer")
+  p.add_argument("--batch-size", type=int, default=32)
+  p.add_argument("--context", type=int, default=64, help="T, characters")
+  p.add_argument("--width", type=int, default=128, help="D")
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--adam-lr", type=float, default=3e-3)
+  p.add_argument("--kfac-lr", type=float, default=3e-3)
+  p.add_argument("--graft", action=argparse.BooleanOptionalAction,
+                 default=True, help="graft K-FAC's direction onto RMSProp's "
+                 "per-tensor norm (--no-graft: kfac_jax_lite.kfac)")
+  p.add_argument("--kfac-warmup", type=int, default=0,
+                 help="steps of linear learning-rate warm-up")
+  p.add_argument("--kfac-damping", type=float, default=1e-3)
+  p.add_argument("--kfac-momentum", type=float, default=0.9)
+  p.add_argument("--kfac-weight-decay", type=float, default=0.01)
+  p.add_argument("--kfac-norm-constraint", type=float, default=1e-3,
+                 help="KL clipping C with --no-graft (0: off)")
+  p.add_argument("--kfac-inverse-period", type=int, default=10)
+  p.add_argument("--kfac-cov-period", type=int, default=1,
+                 help="update the curvature statistics every N steps")
+  p.add_argument("--kfac-stats-fraction", type=float, default=0.125,
+                 help="share of each batch's sequences the statistics use")
+  p.add_argument("--eval-every", type=int, default=25)
+  p.add_argument("--eval-batches", type=int, default=8)
+  p.add_argument("--sample-length", type=int, default=200)
+  p.add_argument("--plot", default="char_gpt.png", help="PNG path ('' off)")
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+  for name in ("steps", "batch_size", "context", "width", "layers", "heads",
+               "eval_every", "eval_batches"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1")
+  return args
+
+
+def setup(args: argparse.Namespace):
+  """Data, model factory, loss and the scanned collection."""
+  train_ids, valid_ids, chars = load_text(args.data)
+  new_model = lambda: GPT(len(chars), args.context, args.width,  # noqa: E731
+                          args.layers, args.heads, rngs=nnx.Rngs(args.seed))
+  graphdef, _ = nnx.split(new_model(), nnx.Param)
+  loss_fn = make_loss_fn(graphdef, args.context)
+  params = nnx.as_pure(nnx.state(new_model(), nnx.Param))
+  batch_fn = lambda k: train_batch(train_ids, k, args.batch_size,  # noqa
+                                   args.context, args.seed)
+  collection = kfac_jax_lite.scan(loss_fn, params, batch_fn(0))
+  eval_fn = make_eval_fn(loss_fn, valid_batches(
+      valid_ids, args.eval_batches, args.batch_size, args.context))
+  return dict(chars=chars, new_model=new_model, graphdef=graphdef,
+              loss_fn=loss_fn, params=params, batch_fn=batch_fn,
+              collection=collection, eval_fn=eval_fn)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+  """Races K-FAC against AdamW; returns ``{"kfac": Run, "adamw": Run}``."""
+  args = parse_args(argv)
+  s = setup(args)
+  print(s["collection"].describe())
+  n = sum(x.size for x in jax.tree.leaves(s["params"]))
+  print(f"\n{n / 1e6:.2f}M parameters; jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}; {args.steps} steps of "
+        f"{args.batch_size}x{args.context} characters\n", flush=True)
+  kfac_state, kfac_step = make_kfac_runner(
+      s["loss_fn"], kfac_transform(s["collection"], args, args.seed),
+      args.kfac_stats_fraction, s["params"])
+  adam_state, adam_step = make_adamw_runner(s["loss_fn"], args.adam_lr,
+                                            s["params"])
+  runs = [Run("kfac", s["params"], kfac_state, kfac_step),
+          Run("adamw", s["params"], adam_state, adam_step)]
+  race(runs, s["batch_fn"], s["eval_fn"], args.steps, args.eval_every)
+  report(runs, args)
+  if args.plot:
+    plot(runs, args.plot, f"char GPT ({n / 1e6:.2f}M params), tiny "
+         "Shakespeare")
+    print(f"wrote {args.plot}")
+  for r in runs:
+    model = s["new_model"]()
+    nnx.update(model, r.params)
+    text = generate(model, s["chars"], args.context, args.sample_length,
+                    args.seed)
+    print(f"\n--- {r.name} sample ---\n{text}")
+  return {r.name: r for r in runs}
+
+
+def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
+  """Validation loss at equal steps and at equal seconds; step times."""
+  k, a = runs
+  print(f"\n{'':>6} {'valid':>7} {'seconds':>8} {'ms/step':>8} "
+        f"{'first call':>10}")
+  for r in runs:
+    per_step = 1e3 * median_step(r)
+    print(f"{r.name:>6} {r.curve[-1][2]:7.3f} {r.seconds:8.1f} "
+          f"{per_step:8.1f} {r.first_call:9.2f}s")
+  equal = min(k.seconds, a.seconds)
+  print(f"at {args.steps} steps: K-FAC {k.curve[-1][2]:.3f}, AdamW "
+        f"{a.curve[-1][2]:.3f}")
+  print(f"at {equal:.1f} s: K-FAC {loss_at_seconds(k, equal):.3f}, AdamW "
+        f"{loss_at_seconds(a, equal):.3f}")
+  t = seconds_to_loss(k, a.curve[-1][2])
+  print(f"K-FAC reaches AdamW's final {a.curve[-1][2]:.3f} "
+        + (f"after {t:.1f} s ({t / a.seconds:.2f}x AdamW's {a.seconds:.1f} s)"
+           if t is not None else "not within its steps"))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
