@@ -332,8 +332,8 @@ def limited(fn: Callable) -> Callable:
 
   The order is a data dependency, the only one XLA keeps: the floating
   matrix leaves of ``fn``'s arguments are recomputed from the limiting
-  call's result (:func:`_after`), and the restoring call takes every
-  array leaf of ``fn``'s result as an operand, so every LAPACK kernel
+  call's result (:func:`_after`), and the restoring call takes one element
+  of every array leaf of ``fn``'s result as an operand, so every LAPACK kernel
   inside ``fn`` computed from those matrices runs in between; the
   restoring call's result flows into every array of the result that
   ``fn`` computed (arguments passed through are returned as they came),
@@ -379,8 +379,11 @@ def limited(fn: Callable) -> Callable:
     leaves = [original.get(id(x), x) for x in leaves]
     arrays = [i for i, x in enumerate(leaves)
               if _is_array(x) and not any(x is y for y in original.values())]
-    done = _call(EXIT_TARGET, *jax.tree.map(
-        jax.lax.stop_gradient, [leaves[i] for i in arrays] + [token]))
+    # One element of every result: each depends on the whole computation
+    # of its array, and the conditional of ``_call`` takes scalars only.
+    done = _call(EXIT_TARGET, *[jax.lax.stop_gradient(jnp.ravel(leaves[i])[0])
+                                for i in arrays if np.size(leaves[i])],
+                 token)
     # Every computed array carries the restoring call's token: any use of
     # them keeps both calls, paired.
     for i in arrays:
