@@ -29,6 +29,10 @@ def resolve_approx(kind: str, num_uses: int, explicit: Optional[str],
                    approximations: Optional[Mapping[str, str]]) -> str:
   """Explicit ``approx`` > path prefix in ``approximations`` > kind > default.
 
+  For a multi-use layer the ``"<kind>_multi"`` key comes before the
+  ``"<kind>"`` key, which applies when the layer has its approximation
+  (``{"fully_connected": "kron_reduce"}`` reaches every dense layer).
+
   Raises:
     ValueError: for an approximation the layer kind does not support.
   """
@@ -49,7 +53,9 @@ def resolve_approx(kind: str, num_uses: int, explicit: Optional[str],
       chosen, source = approximations[best], f"approximations[{best!r}]"
     elif key in approximations:
       chosen, source = approximations[key], f"approximations[{key!r}]"
-    elif kind in approximations and num_uses == 1:
+    elif kind in approximations and (num_uses == 1 or kinds.canonical(
+        kind, num_uses, approximations[kind]) in allowed):
+      # A kind key reaches multi-use layers too when they have its value.
       chosen, source = approximations[kind], f"approximations[{kind!r}]"
   if chosen is None:
     return allowed[0]

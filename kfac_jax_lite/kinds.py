@@ -100,10 +100,13 @@ _ROWS = (
     LayerKind(
         "fully_connected",
         ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag",
-         "diagonal", "full"),
+         "diagonal", "full",
+         "kron_reduce"),
         ("kron_indep", "kron_series_1", "kron_series_2", "kron_in_diag",
-         "kron_out_diag", "kron_both_diag", "diagonal", "full"),
+         "kron_out_diag", "kron_both_diag", "diagonal", "full",
+         "kron_reduce"),
         _kron("kronecker.dense_block") + (
+            ("kron_reduce", "kronecker.dense_reduce_block"),
             ("kron_series_1", "multi_use.series_block"),
             ("kron_series_2", "multi_use.series_block"),
             ("diagonal", "diagonal.dense_diagonal_block"),

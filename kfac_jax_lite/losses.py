@@ -1,19 +1,35 @@
-"""The three predictive distributions: NLL, sampling, Fisher and GGN factors.
+r"""The three predictive distributions: NLL, sampling, Fisher and GGN factors.
 
-Every distribution is parameterised by ``z`` of shape ``[B, *inner]``: axis 0
-is the batch, and example ``b``'s negative log-likelihood sums over the
-inner positions. With :math:`F_R(z_b)` the Fisher of the distribution with
-respect to its parameters, a *factor* :math:`B_b` satisfies
-:math:`F_R = B_b B_b^T` (TF K-FAC ``multiply_fisher_factor``). All three
-use natural parameters, so their GGN equals their Fisher (Martens 2014,
-"New insights and perspectives on the natural gradient method", sec. 9.2).
+A loss tag's ``z`` has shape ``[..., E]``: the last axis is one position's
+event (the ``V`` classes of a categorical, the ``d`` coordinates of a Normal
+or of independent Bernoullis) and every leading axis indexes *positions*
+(examples, and for sequences the time steps). A 1-D ``z`` of a Normal or
+Bernoulli loss is ``[N]``: N positions with a scalar event.
 
-Categorical (over the last axis): :math:`F_R = \\mathrm{diag}(p) - pp^T`,
-:math:`B = \\mathrm{diag}(q) - p q^T` with :math:`q = \\sqrt p`.
-Normal (fixed ``var``): :math:`F_R = I/\\mathrm{var}`,
-:math:`B = \\mathrm{var}^{-1/2} I`.
-Multi-Bernoulli: :math:`F_R = \\mathrm{diag}(p(1-p))`,
-:math:`B = \\mathrm{diag}(\\sqrt{p(1-p)})`.
+The registered loss is the **mean over the positions** of the negative
+log-likelihoods, what ``.mean()`` over per-position losses computes; with a
+``mask`` (broadcastable to the leading shape, 0 drops a position) the mean
+over the ``N`` unmasked positions. Its Fisher is
+
+.. math::
+  F = \frac{w}{N} \sum_{n} m_n J_n^T F_R(z_n) J_n,
+
+``w`` the tag's ``weight``, :math:`m_n \in \{0, 1\}` the mask and
+:math:`J_n` the Jacobian of position ``n``'s parameters ``z_n``; so
+``[B, T, V]`` and its flattening ``[B·T, V]`` describe the same matrix.
+
+With :math:`F_R(z_n)` the Fisher of the distribution with respect to its
+parameters, a *factor* :math:`B_n` satisfies :math:`F_R = B_n B_n^T` (TF
+K-FAC ``multiply_fisher_factor``). All three use natural parameters, so
+their GGN equals their Fisher (Martens 2014, "New insights and perspectives
+on the natural gradient method", sec. 9.2).
+
+Categorical (over the last axis): :math:`F_R = \mathrm{diag}(p) - pp^T`,
+:math:`B = \mathrm{diag}(q) - p q^T` with :math:`q = \sqrt p`.
+Normal (fixed ``var``): :math:`F_R = I/\mathrm{var}`,
+:math:`B = \mathrm{var}^{-1/2} I`.
+Multi-Bernoulli: :math:`F_R = \mathrm{diag}(p(1-p))`,
+:math:`B = \mathrm{diag}(\sqrt{p(1-p)})`.
 """
 
 from __future__ import annotations
@@ -33,6 +49,18 @@ def _up(x):
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def leading_shape(shape) -> tuple:
+  """The positions of a loss tag's ``z``: every axis but the event axis
+  (the last), or the one axis of a 1-D ``z``."""
+  shape = tuple(shape)
+  return shape[:-1] if len(shape) >= 2 else shape
+
+
+def num_positions(shape) -> int:
+  """``N``: the number of positions of a ``z`` of this shape (unmasked)."""
+  return int(math.prod(leading_shape(shape)))
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
   """A registered loss tag (static description).
@@ -43,22 +71,42 @@ class LossSpec:
     var: the Normal's variance (``normal`` only).
     has_targets: whether targets were passed at the tag.
     shape: the shape of ``z`` at scan time.
+    has_mask: whether a ``mask`` was passed at the tag.
   """
   kind: str
   weight: float = 1.0
   var: float = 0.5
   has_targets: bool = False
   shape: tuple = ()
+  has_mask: bool = False
 
-  # ---- per-example log-likelihood -------------------------------------
+  # ---- positions --------------------------------------------------------
+  def keep(self, z, mask):
+    """The mask as booleans of z's leading shape (None without a mask)."""
+    if mask is None:
+      return None
+    return jnp.broadcast_to(mask, leading_shape(z.shape)) != 0
+
+  def count(self, z, mask):
+    """``N``: the number of kept positions (a Python int without a mask, a
+    traced scalar with one)."""
+    if mask is None:
+      return num_positions(z.shape)
+    return jnp.sum(self.keep(z, mask), dtype=jnp.int32)
+
+  def _per_position(self, z, x):
+    """``x`` (of the leading shape) broadcastable against ``z``."""
+    return x[..., None] if z.ndim >= 2 else x
+
+  # ---- per-position log-likelihood -------------------------------------
   def nll(self, z, y):
-    """Per-example negative log-likelihood ``[B]`` (sums inner positions)."""
+    """Per-position negative log-likelihood, of the leading shape."""
     z = _up(z)
     if self.kind == "categorical":
       logp = jax.nn.log_softmax(z, axis=-1)
       y = y.astype(jnp.int32)
-      val = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
-    elif self.kind == "normal":
+      return -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+    if self.kind == "normal":
       val = (0.5 / self.var) * jnp.square(y.astype(z.dtype) - z)
       val = val + 0.5 * math.log(2 * math.pi * self.var)
     elif self.kind == "multi_bernoulli":
@@ -66,10 +114,20 @@ class LossSpec:
       val = jnp.logaddexp(0.0, z) - y * z
     else:
       raise ValueError(f"Unknown loss kind {self.kind!r}.")
-    return val.reshape(val.shape[0], -1).sum(axis=1)
+    return val.sum(axis=-1) if z.ndim >= 2 else val
+
+  def mean_nll(self, z, y, mask=None):
+    """The registered loss without its weight: the mean of :meth:`nll`
+    over the (kept) positions; 0 when every position is masked."""
+    val = self.nll(z, y)
+    if mask is None:
+      return jnp.mean(val)
+    keep = self.keep(z, mask)
+    return jnp.sum(jnp.where(keep, val, 0.0)) / jnp.maximum(
+        self.count(z, mask), 1).astype(val.dtype)
 
   def nll_grad(self, z, y):
-    """:math:`\\partial\\, \\mathrm{nll}_b / \\partial z_b`, per example."""
+    """:math:`\\partial\\, \\mathrm{nll}_n / \\partial z_n`, per position."""
     z32 = _up(z)
     if self.kind == "categorical":
       p = jax.nn.softmax(z32, axis=-1)
@@ -87,7 +145,7 @@ class LossSpec:
     jax.random key); the uniforms come from :func:`keys.uniform`.
     Categorical by the Gumbel-max trick, ``argmax(z - log(-log u))``;
     Normal by the inverse CDF, ``z + sqrt(var) Φ⁻¹(u)``; Bernoulli as
-    ``u < sigmoid(z)``.
+    ``u < sigmoid(z)``. Every position draws independently.
     """
     z32 = jax.lax.stop_gradient(_up(z))
     u = keys.uniform(key, z.shape, z32.dtype)
@@ -99,7 +157,7 @@ class LossSpec:
       return (u < jax.nn.sigmoid(z32)).astype(z32.dtype)
     raise ValueError(f"Unknown loss kind {self.kind!r}.")
 
-  # ---- Fisher factor products (per example, per position) --------------
+  # ---- Fisher factor products (per position) ----------------------------
   def fisher_factor(self, z, v):
     """:math:`B v` with ``v`` of z's shape; :math:`F_R = B B^T`."""
     z = _up(z)
@@ -124,7 +182,7 @@ class LossSpec:
     return self.fisher_factor(z, u)
 
   def multiply_fisher(self, z, v):
-    """:math:`F_R v` per example (exact, no sampling)."""
+    """:math:`F_R v` per position (exact, no sampling)."""
     return self.fisher_factor(z, self.fisher_factor_transpose(z, v))
 
   # Natural parameters: GGN == Fisher for all three distributions.
@@ -132,38 +190,103 @@ class LossSpec:
   ggn_factor_transpose = fisher_factor_transpose
   multiply_ggn = multiply_fisher
 
-  def inner_size(self, z) -> int:
-    """Number of columns of the per-example factor (inner positions)."""
-    return int(math.prod(z.shape[1:]))
+  # ---- what the statistics and the Fisher products need -----------------
+  def positions_per_example(self, z, examples: int) -> int:
+    """``k = N / B``: the positions of one example, when the ``N``
+    positions list each example's ``k`` positions together (example
+    ``b`` owns the flat positions ``b·k .. b·k + k - 1``: a ``[B, T, V]``
+    tag, or its ``reshape(-1, V)``).
 
-  def factor_columns(self, z):
-    """All columns :math:`B e_k` replicated over the batch: ``[K, *z.shape]``.
+    Raises:
+      ValueError: if ``N`` is not a multiple of ``examples``.
+    """
+    n = num_positions(z.shape)
+    if examples <= 0 or n % examples:
+      raise ValueError(
+          f"A {self.kind} loss tag on z of shape {tuple(z.shape)} has {n} "
+          f"positions, not a multiple of the batch's {examples} examples "
+          "(the leading size of the layers' inputs). The exact estimation "
+          "modes need every example's positions together: register the "
+          "loss on [B, ..., E] or on its reshape(-1, E).")
+    return n // examples
+
+  def factor_columns(self, z, examples: int):
+    """All columns :math:`B e_k` of one example, replicated over the
+    batch: ``[K, *z.shape]``, ``K = k·E`` (``k`` positions per example,
+    ``E`` the event size).
 
     Used by the ``exact`` modes: summing :math:`(J^T B e_k)(J^T B e_k)^T`
-    over ``k`` gives :math:`J^T F_R J` without sampling noise. Built with
-    ``vmap`` over ``k``, never a Python loop.
+    over ``k`` gives :math:`\\sum_n J_n^T F_R J_n` without sampling noise,
+    because each column has one nonzero position per example (the
+    positions of one example are never mixed). Built with ``vmap`` over
+    ``k``, never a Python loop.
     """
-    k = self.inner_size(z)
-    inner = z.shape[1:]
+    if z.ndim and z.shape[0] == examples:   # [B, *inner]
+      inner, zr = z.shape[1:], z
+    else:                                   # flattened: [B·k, ...]
+      k = self.positions_per_example(z, examples)
+      inner = (k,) + z.shape[len(leading_shape(z.shape)):]
+      zr = z.reshape((examples,) + inner)
+    size = int(math.prod(inner))
 
     def column(i):
-      e = jax.nn.one_hot(i, k, dtype=_up(z).dtype).reshape(inner)
-      return self.fisher_factor(z, jnp.broadcast_to(e, z.shape))
-    return jax.vmap(column)(jnp.arange(k))
+      e = jax.nn.one_hot(i, size, dtype=_up(z).dtype).reshape(inner)
+      return self.fisher_factor(zr, jnp.broadcast_to(e, zr.shape)
+                                ).reshape(z.shape)
+    return jax.vmap(column)(jnp.arange(size))
+
+  def cotangent_scale(self, z, mask, examples: int, sources: int = 1):
+    """The scale of the cotangents at ``z`` of ``sources`` sources.
+
+    .. math:: \\sqrt{w B / (S N)}\\, m_n
+
+    so that the blocks, which average over the ``B`` examples and sum over
+    the ``S`` sources, estimate :math:`\\frac{w}{N} \\sum_n m_n J_n^T F_R
+    J_n`. A Python float without a mask; with one, an array that
+    broadcasts against ``z`` (0 at masked positions; ``N`` at least 1).
+    """
+    if mask is None:
+      return math.sqrt(self.weight * (examples / num_positions(z.shape))
+                       / sources)
+    dt = _up(z).dtype
+    n = jnp.maximum(self.count(z, mask), 1).astype(dt)
+    scale = jnp.sqrt(self.weight * examples / sources / n)
+    return self._per_position(
+        z, jnp.where(self.keep(z, mask), scale, 0.0).astype(dt))
+
+  def fisher_gram(self, z, mask, jvs, fjvs):
+    """``[vᵢᵀ F vⱼ]`` of this loss from ``jvs = [J vᵢ]`` and ``fjvs =
+    [F_R J vᵢ]`` (each ``[k, *z.shape]``).
+
+    .. math:: v_i^T F v_j = \\frac{w}{N} \\sum_n m_n
+       (J_n v_i)^T F_R(z_n) (J_n v_j)
+    """
+    jvs = jvs.astype(fjvs.dtype)
+    if mask is None:
+      return self.weight / num_positions(z.shape) * jnp.einsum(
+          "i...,j...->ij", jvs, fjvs)
+    keep = self._per_position(z, self.keep(z, mask))
+    fjvs = jnp.where(keep, fjvs, 0.0)
+    n = jnp.maximum(self.count(z, mask), 1).astype(fjvs.dtype)
+    return self.weight / n * jnp.einsum("i...,j...->ij",
+                                        jnp.where(keep, jvs, 0.0), fjvs)
 
 
 def make_loss_spec(kind: str, meta: dict, shape) -> LossSpec:
   return LossSpec(kind=kind, weight=float(meta.get("weight", 1.0)),
                   var=float(meta.get("var", 0.5)),
                   has_targets=bool(meta.get("has_targets", False)),
-                  shape=tuple(shape))
+                  shape=tuple(shape),
+                  has_mask=bool(meta.get("has_mask", False)))
 
 
-def total_loss(specs, zs, targets) -> jnp.ndarray:
-  """Mean over the batch of ``Σ_l weight_l · nll_l`` (for tests/examples)."""
+def total_loss(specs, zs, targets, masks=None) -> jnp.ndarray:
+  """``Σ_l weight_l · mean_nll_l``: the registered losses (tests/examples).
+
+  Each term is the mean over that tag's (unmasked) positions.
+  """
+  masks = (None,) * len(specs) if masks is None else masks
   total = 0.0
-  for spec, z, y in zip(specs, zs, targets):
-    total = total + spec.weight * jnp.mean(spec.nll(z, y))
+  for spec, z, y, m in zip(specs, zs, targets, masks):
+    total = total + spec.weight * spec.mean_nll(z, y, m)
   return total
-
-

@@ -8,19 +8,42 @@ re-evaluated with zero perturbations at the tagged layer outputs
   per-layer gradients of the mean loss);
 * cotangents :math:`c_s` at each loss tag's parameters ``z`` give the output
   gradients :math:`J_s^T c_s` used by the Fisher factors. They are, per
-  estimation mode (``w`` the loss weight, ``S`` the number of sources):
+  estimation mode (``S`` the number of sources, and per position ``n`` the
+  scale :math:`\\rho_n = \\sqrt{w B / N}\\, m_n`: ``w`` the loss weight,
+  ``B`` the batch's examples, ``N`` the tag's kept positions, ``m`` its
+  mask, :meth:`~kfac_jax_lite.losses.LossSpec.cotangent_scale`):
 
-  - ``gradients``: :math:`\\sqrt{w/S}\\, \\nabla_z \\mathrm{nll}(z, \\hat y_s)`,
-    :math:`\\hat y_s \\sim p(y|z)` (Martens & Grosse 2015, sec. 5);
-  - ``empirical``: :math:`\\sqrt{w}\\, \\nabla_z \\mathrm{nll}(z, y)` with data
-    targets (so the Fisher scales by ``w``, not ``w²`` as TF K-FAC did);
-  - ``curvature_prop`` / ``curvature_prop_GGN``: :math:`\\sqrt{w/S}\\, B r_s`,
-    ``r`` Rademacher, ``B Bᵀ = F_R`` (Martens, Sutskever & Swersky 2012);
-  - ``exact`` / ``exact_GGN``: :math:`\\sqrt{w}\\, B e_k` for every output
-    coordinate ``k`` (``vmap``, no Python loop).
+  - ``gradients``: :math:`\\rho_n S^{-1/2} \\nabla_z \\mathrm{nll}(z_n,
+    \\hat y_{s,n})`, :math:`\\hat y_s \\sim p(y|z)` (Martens & Grosse 2015,
+    sec. 5);
+  - ``empirical``: :math:`\\rho_n \\nabla_z \\mathrm{nll}(z_n, y_n)` with
+    data targets (so the Fisher scales by ``w``, not ``w²`` as TF K-FAC
+    did);
+  - ``curvature_prop`` / ``curvature_prop_GGN``: :math:`\\rho_n S^{-1/2}
+    B_n r_{s,n}`, ``r`` Rademacher, ``B Bᵀ = F_R`` (Martens, Sutskever &
+    Swersky 2012);
+  - ``exact`` / ``exact_GGN``: :math:`\\rho_n B_n e_k` for every coordinate
+    ``k`` of one example's positions (``vmap``, no Python loop).
 
   All sources are pulled back through the *same* linearisation with
-  ``jax.vmap`` over the cotangents; the forward pass runs once.
+  ``jax.vmap`` over the cotangents; the forward pass runs once. The blocks
+  average over the ``B`` examples, so with :math:`\\rho` they estimate the
+  Fisher of the registered mean loss, :math:`\\frac{w}{N} \\sum_n m_n
+  J_n^T F_R(z_n) J_n` (:mod:`kfac_jax_lite.losses`).
+
+The examples are rows of the layer sites' batch axis: ``B`` is a leading
+size (after ``lax.scan`` axes) of the recorded layer inputs, the first loss
+tag's leading size when it is one and divides every tag's positions (a
+``[B, T, V]`` tag), else the smallest size that does (a ``[B·T, V]`` tag).
+A site with ``k·B`` rows holds ``k`` consecutive rows per example (a
+flattened ``[B·T, d]`` activation); without layer inputs ``B`` is the first
+loss tag's leading size. A loss tag's positions group by example in the
+same way (:meth:`~kfac_jax_lite.losses.LossSpec.positions_per_example`):
+that grouping matters to the ``exact`` modes' columns, to ``stats_fraction``
+(which keeps whole examples: all positions of the first ``⌈f·B⌉``
+sequences) and to blocks that sum over an example's uses before squaring
+(``kron_reduce``, ``diagonal``, ``full``); a Kronecker ``kron``/
+``kron_indep`` block does not depend on it.
 """
 
 from __future__ import annotations
@@ -41,6 +64,7 @@ from kfac_jax_lite import distributed
 from kfac_jax_lite import grouping
 from kfac_jax_lite import keys as keys_lib
 from kfac_jax_lite import linalg
+from kfac_jax_lite import losses as losses_lib
 from kfac_jax_lite import scanner
 from kfac_jax_lite.collection import LayerCollection
 
@@ -62,21 +86,32 @@ def canonical_mode(mode: str) -> str:
   return mode
 
 
-def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
+def _scaled(scale, x):
+  """``scale · x``: a Python float, or a per-position array (masked
+  positions give 0 even where ``x`` is not finite)."""
+  if isinstance(scale, float):
+    return scale * x
+  return jnp.where(scale > 0, scale * x, 0.0)
+
+
+def _loss_cotangents(mode, specs, zs, targets, masks, key, num_samples,
+                     examples):
   """Per loss, the stacked cotangents ``[S, *z.shape]`` (same S for all)."""
   if mode == "empirical":
     out = []
-    for i, (spec, z, y) in enumerate(zip(specs, zs, targets)):
+    for i, (spec, z, y, m) in enumerate(zip(specs, zs, targets, masks)):
       if y is None:
         raise ValueError(
             f"estimation_mode='empirical' needs data targets, but loss tag "
             f"{i} ({spec.kind}) was registered without targets. Pass "
             "targets=... to its register_* call, or use 'gradients'.")
-      out.append((math.sqrt(spec.weight) * spec.nll_grad(z, y))[None])
+      out.append(_scaled(spec.cotangent_scale(z, m, examples),
+                         spec.nll_grad(z, y))[None])
     return out
   if mode in ("exact", "exact_GGN"):
-    cols = [math.sqrt(s.weight) * s.factor_columns(z)
-            for s, z in zip(specs, zs)]
+    cols = [_scaled(s.cotangent_scale(z, m, examples),
+                    s.factor_columns(z, examples))
+            for s, z, m in zip(specs, zs, masks)]
     total = sum(c.shape[0] for c in cols)
     out, offset = [], 0
     for c in cols:
@@ -85,8 +120,8 @@ def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
       offset += c.shape[0]
     return out
   out = []
-  for i, (spec, z) in enumerate(zip(specs, zs)):
-    scale = math.sqrt(spec.weight / num_samples)
+  for i, (spec, z, m) in enumerate(zip(specs, zs, masks)):
+    scale = spec.cotangent_scale(z, m, examples, num_samples)
     # Hashed keys and draws: no threefry in the step (kfac_jax_lite.keys).
     ks = keys_lib.sample_keys(key, i, num_samples)
     if mode == "gradients":
@@ -99,7 +134,7 @@ def _loss_cotangents(mode, specs, zs, targets, key, num_samples):
                       ).astype(dt)
         return spec.fisher_factor(z, r)
       ct = jax.vmap(one)(ks)
-    out.append(scale * ct)
+    out.append(_scaled(scale, ct))
   return out
 
 
@@ -166,11 +201,11 @@ class Linearized:
     traced = scanner.perturbed_fn(collection, params, batch)
     eps = distributed.vary(traced.eps, self._axes)
     if with_jvp:
-      (loss, zs), jvp, (aux, records, targets) = jax.linearize(
+      (loss, zs), jvp, (aux, records, targets, masks) = jax.linearize(
           traced.fn, params, eps, has_aux=True)
       vjp = jax.linear_transpose(jvp, params, eps)
     else:
-      (loss, zs), vjp, (aux, records, targets) = jax.vjp(
+      (loss, zs), vjp, (aux, records, targets, masks) = jax.vjp(
           traced.fn, params, eps, has_aux=True)
       jvp = None
     self.collection = collection
@@ -178,7 +213,7 @@ class Linearized:
     self.sites = traced.sites
     self.eps = eps
     self.loss, self.zs, self.aux = loss, zs, aux
-    self.records, self.targets = records, targets
+    self.records, self.targets, self.masks = records, targets, masks
     self._jvp = jvp
     self.vjp = vjp
     # True for the linearisation of a batch's first ⌈f·B⌉ examples
@@ -209,11 +244,36 @@ class Linearized:
     return self.jvp(distributed.vary(tangent, self._axes), eps_t)[1]
 
 
+def output_fisher_gram(lin: Linearized, jvs) -> jnp.ndarray:
+  """``[vᵢᵀ F vⱼ]`` with ``F`` the exact minibatch Fisher (GGN) of the
+  registered losses, from their output tangents.
+
+  .. math:: v_i^T F v_j = \\sum_\\ell \\frac{w_\\ell}{N_\\ell} \\sum_n
+     m_{\\ell,n} (J_n v_i)^T F_R(z_n) (J_n v_j)
+
+  (``N_ℓ`` the kept positions of tag ``ℓ``, ``m`` its mask).
+
+  Args:
+    lin: the linearisation the tangents come from.
+    jvs: per loss tag, the stacked ``[k, *z.shape]`` tangents ``J vᵢ``
+      (e.g. :meth:`Linearized.output_jvp` of ``k`` vectors, stacked).
+
+  Returns:
+    The ``[k, k]`` Gram matrix (this replica's, not averaged).
+  """
+  gram = 0.0
+  for spec, z, m, jv in zip(lin.collection.losses, lin.zs, lin.masks, jvs):
+    fjv = jax.vmap(lambda v, z=z, spec=spec: spec.multiply_fisher(z, v))(jv)
+    gram = gram + spec.fisher_gram(z, m, jv, fjv)
+  return gram
+
+
 @dataclasses.dataclass(frozen=True)
 class Pass:
   """Statistics inputs from one linearisation."""
   layer_data: tuple
   param_grads_all: Any   # [S, leaf] grads of the summed source losses, or None
+  grad_norm: Any = 1     # √(B·N): param_grads_all's sum over S / it = mean
 
 
 def check_options(stats_fraction, stats_min_examples, num_samples):
@@ -249,21 +309,64 @@ def first_examples(x, axis: int, rows: int):
   return lax.slice_in_dim(x, 0, rows, axis=axis)
 
 
-def _site_head(x, site, rows, leading=0):
+def _site_rows(lin: Linearized) -> dict:
+  """``{leading size: site}`` of the sites with recorded inputs (their
+  batch axis follows the site's scan axes)."""
+  out = {}
+  for s in lin.sites:
+    recs = lin.records[s.key]
+    axis = len(s.scan_lengths)
+    if recs and recs[0].ndim > axis:
+      out.setdefault(int(recs[0].shape[axis]), s)
+  return out
+
+
+def example_count(lin: Linearized) -> int:
+  """``B``, the examples of the batch (see the module docstring).
+
+  Raises:
+    ValueError: if a layer input's leading size is not a multiple of the
+      smallest one.
+  """
+  sizes = _site_rows(lin)
+  z0 = lin.zs[0]
+  first = int(z0.shape[0]) if z0.ndim else 1
+  if not sizes:
+    return first
+  # Prefer a size that divides every loss tag's positions, and among those
+  # the first loss tag's leading size (a [B, T, V] tag: B).
+  fits = [n for n in sizes if all(p % n == 0 for p in _positions(lin))]
+  b = first if first in fits else min(fits or sizes)
+  bad = [n for n in sizes if n % b]
+  if bad:
+    raise ValueError(
+        f"The layer at {sizes[bad[0]].key} records inputs with {bad[0]} "
+        f"rows on its batch axis, not a multiple of the batch's {b} "
+        f"examples (the smallest leading size, at {sizes[b].key}). Every "
+        "tagged layer input needs the batch as its leading axis (after any "
+        "lax.scan axes), or a flattening of it with each example's rows "
+        "together; register a layer without one with register_generic.")
+  return b
+
+
+def _site_head(x, site, rows, examples, leading=0):
   """A recorded site array cut to its first ``rows`` examples (``None``:
   uncut). Its batch axis follows ``leading`` source axes and the site's
-  scan axes: ``[S?, T1..Tk, B, ...]``."""
+  scan axes, ``[S?, T1..Tk, R, ...]``, and holds ``R / examples``
+  consecutive rows per example."""
   if rows is None:
     return x
-  return first_examples(x, leading + len(site.scan_lengths), rows)
+  axis = leading + len(site.scan_lengths)
+  return first_examples(x, axis, rows * (x.shape[axis] // examples))
 
 
 def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
                      need_all_param_grads, axis_name=None,
                      fraction: float = 1.0, min_rows: int = 1) -> Pass:
   collection = lin.collection
-  cts = _loss_cotangents(mode, collection.losses, lin.zs, lin.targets, key,
-                         num_samples)
+  batch_size = example_count(lin)
+  cts = _loss_cotangents(mode, collection.losses, lin.zs, lin.targets,
+                         lin.masks, key, num_samples, batch_size)
   cts = tuple(c.astype(z.dtype) for c, z in zip(cts, lin.zs))
   generic = sorted({i for l, b in zip(collection.layers, blocks)
                     if b.needs_param_grads for i in l.param_indices})
@@ -284,7 +387,6 @@ def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
         lambda x: x[None], pull(tuple(c[0] for c in cts)))
   else:
     p_bars, eps_bars = jax.vmap(pull)(cts)
-  batch_size = lin.zs[0].shape[0]
   block_p_bars, block_batch = p_bars, batch_size
   if axis_name is not None and generic:
     # Square-of-sum statistics are no means over examples: sum the
@@ -296,7 +398,7 @@ def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
   for s in lin.sites:
     sites_of.setdefault(s.leaves, []).append(s)
   # Row statistics use the first ⌈fraction·B⌉ examples: recorded inputs are
-  # [T1..Tk, B, ...] and output gradients [S, T1..Tk, B, ...].
+  # [T1..Tk, R, ...] and output gradients [S, T1..Tk, R, ...], R = k·B.
   # Blocks from summed parameter gradients keep the whole batch (their
   # sites may have no batch axis at all).
   rows = stats_rows(batch_size, fraction, min_rows)
@@ -305,9 +407,10 @@ def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
     sites = sites_of.get(layer.param_indices, [])
     n = None if block.needs_param_grads else rows
     data.append(blocks_lib.LayerData(
-        inputs=tuple(tuple(_site_inputs(_site_head(x, s, n), s)
+        inputs=tuple(tuple(_site_inputs(_site_head(x, s, n, batch_size), s)
                            for x in lin.records[s.key]) for s in sites),
-        grads=tuple(_site_grads(_site_head(eps_bars[s.key], s, n, 1), s)
+        grads=tuple(_site_grads(_site_head(eps_bars[s.key], s, n,
+                                           batch_size, 1), s)
                     for s in sites),
         params=tuple(leaves[i] for i in layer.param_indices),
         param_grads=tuple(_param_grads(block_p_bars[i], layer)
@@ -315,7 +418,23 @@ def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
         if block.needs_param_grads else (),
         batch_size=block_batch if block.needs_param_grads else rows))
   return Pass(layer_data=tuple(data),
-               param_grads_all=p_bars if need_all_param_grads else None)
+              param_grads_all=p_bars if need_all_param_grads else None,
+              grad_norm=_grad_norm(lin, batch_size))
+
+
+def _grad_norm(lin: Linearized, examples: int):
+  """``√(B·N)`` of the first loss tag: the sum over the batch of the
+  summed sources' parameter gradients, divided by it, is the mean
+  per-source gradient of that (weight-1) loss."""
+  spec, z, m = lin.collection.losses[0], lin.zs[0], lin.masks[0]
+  n = spec.count(z, m)
+  if isinstance(n, int):
+    return examples if n == examples else math.sqrt(examples * n)
+  return jnp.sqrt(examples * jnp.maximum(n, 1).astype(jnp.float32))
+
+
+def _positions(lin: Linearized) -> tuple:
+  return tuple(losses_lib.num_positions(z.shape) for z in lin.zs)
 
 
 def linearize_head(collection, params, batch, lin: Linearized,
@@ -323,20 +442,26 @@ def linearize_head(collection, params, batch, lin: Linearized,
                    with_jvp: bool = True) -> Linearized:
   """:meth:`FisherEstimator.linearize_head`: ``lin``, or the linearisation
   of the batch's first ``m = ⌈f·B⌉`` examples (warning and returning
-  ``lin`` when the cut batch does not give loss tags of ``m`` rows)."""
-  total = lin.zs[0].shape[0] if lin.zs else 0
-  rows = stats_rows(total, fraction,
-                    min_examples) if total else 0
+  ``lin`` when the cut batch does not give ``m`` examples whose loss tags
+  have ``m/B`` of the positions)."""
+  try:
+    total = example_count(lin)
+  except ValueError as e:  # The statistics pass raises it again.
+    warnings.warn(f"stats_fraction={fraction!r}: {e}", stacklevel=3)
+    return lin
+  rows = stats_rows(total, fraction, min_examples)
   if rows == total:
     return lin
   head = jax.tree.map(
       lambda x: first_examples(x, 0, rows)
       if getattr(x, "ndim", 0) and x.shape[0] == total else x, batch)
+  want = tuple(p * rows // total for p in _positions(lin))
   try:
     out = Linearized(collection, params, head, head_only=True,
                      with_jvp=with_jvp)
-    got = sorted({z.shape[0] for z in out.zs})
-    problem = None if got == [rows] else f"loss tags of {got} rows"
+    got, pos = example_count(out), _positions(out)
+    problem = None if (got, pos) == (rows, want) else (
+        f"{got} examples and loss tags of {list(pos)} rows")
   except (TypeError, ValueError) as e:  # The full batch traced fine.
     problem = f"{type(e).__name__}: {str(e).splitlines()[0]}"
   if problem is None:
@@ -344,7 +469,8 @@ def linearize_head(collection, params, batch, lin: Linearized,
   warnings.warn(
       f"stats_fraction={fraction!r}: cutting the batch to its "
       f"first {rows} of {total} examples (every leaf whose leading axis "
-      f"has {total} entries) gave {problem}, so the curvature is "
+      f"has {total} entries) gave {problem}, not {rows} examples and "
+      f"{list(want)} rows, so the curvature is "
       "linearised on the whole batch: the factors still use the first "
       "rows, but the Fisher products cost as much as without "
       "stats_fraction. Put the example axis first in every batch leaf to "
@@ -398,8 +524,7 @@ def make_stats(p: Pass, params, blocks, groups, *, params_stats: bool,
     stacked = grouping.group_stats(blocks, groups, p.layer_data)
   mean_grads = ()
   if params_stats:
-    batch_size = p.layer_data[0].batch_size if p.layer_data else 1
-    leaves = [jnp.sum(g, axis=0).astype(linalg.factor_dtype()) / batch_size
+    leaves = [jnp.sum(g, axis=0).astype(linalg.factor_dtype()) / p.grad_norm
               for g in p.param_grads_all]
     mean_grads = jax.tree.unflatten(jax.tree.structure(params), leaves)
   # Checked on the stacked groups (docs/performance.md#finite-marker).

@@ -431,11 +431,33 @@ def register_generic(params, *, approx: Optional[str] = None):
 # --------------------------------------------------------------------------
 
 
-def _loss_tag(kind, z, targets, fn, **meta):
+def _check_mask(z, mask, fn):
+  _check_array("mask", mask, fn)
+  lead = z.shape[:-1] if z.ndim >= 2 else z.shape
+  try:
+    ok = np.broadcast_shapes(tuple(mask.shape), tuple(lead)) == tuple(lead)
+  except ValueError:
+    ok = False
+  if not ok:
+    raise ValueError(
+        f"{fn}: mask has shape {tuple(mask.shape)}, which does not "
+        f"broadcast to the leading shape {tuple(lead)} of z "
+        f"{tuple(z.shape)} (every axis but the last). Give one entry per "
+        "position, e.g. a [B, T] mask for [B, T, V] logits.")
+
+
+def _loss_tag(kind, z, targets, fn, mask=None, **meta):
   _check_array("logits/mean", z, fn)
+  if kind == "categorical" and z.ndim < 2:
+    raise ValueError(
+        f"{fn}: logits have shape {tuple(z.shape)}; they need a leading "
+        "(batch) axis and the class axis last, [..., V].")
   operands = (z,) if targets is None else (z, targets)
   if targets is not None:
     _check_array("targets", targets, fn)
+  if mask is not None:
+    _check_mask(z, mask, fn)
+    operands += (mask,)
   for k in ("weight", "var"):
     if k in meta:
       v = meta[k]
@@ -446,21 +468,40 @@ def _loss_tag(kind, z, targets, fn, **meta):
       if v <= 0:
         raise ValueError(f"{fn}: {k}={v!r} must be positive.")
       meta[k] = float(v)
+  if mask is not None:
+    meta["has_mask"] = True
   return loss_tag_p.bind(*operands, kind=kind, meta=_static_meta(
       has_targets=targets is not None, **meta))
 
 
 def register_categorical_predictive_distribution(logits, targets=None, *,
-                                                 weight: float = 1.0):
+                                                 weight: float = 1.0,
+                                                 mask=None):
   """Registers a categorical distribution over the last axis of ``logits``.
 
-  Its Fisher with respect to the logits is :math:`F_R = \\mathrm{diag}(p) -
-  p p^T`. ``targets`` are integer class ids (needed for ``empirical``).
-  ``weight`` multiplies this loss's contribution to the Fisher.
+  The registered loss is the mean over every leading position of
+  ``logits: [..., V]`` (the batch, and for sequences the time axis too),
+  ``optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  .mean()``: ``[B, T, V]`` and its flattening ``[B·T, V]`` give the same
+  curvature. A flattened tag keeps each example's positions together (row
+  ``b·T + t``, as ``reshape(-1, V)`` does). One position's Fisher is
+  :math:`F_R = \\mathrm{diag}(p) - p p^T`, :math:`p = \\mathrm{softmax}(z)`.
+
+  Args:
+    logits: ``[..., V]``, at least 2-D.
+    targets: integer class ids of the leading shape (for ``empirical``).
+    weight: multiplies this loss's contribution (``weight · mean``).
+    mask: optional, broadcastable to the leading shape (0 drops a
+      position): the mean is over the kept positions, ``Σ_n m_n nll_n /
+      Σ_n m_n``, counted in this batch (per device under data
+      parallelism).
+
+  Returns:
+    ``logits``, unchanged.
   """
   return _loss_tag("categorical", logits, targets,
                    "register_categorical_predictive_distribution",
-                   weight=weight)
+                   mask=mask, weight=weight)
 
 
 register_softmax_cross_entropy_loss = (
@@ -469,29 +510,60 @@ register_softmax_cross_entropy_loss = (
 
 def register_normal_predictive_distribution(mean, targets=None, *,
                                             var: float = 0.5,
-                                            weight: float = 1.0):
+                                            weight: float = 1.0,
+                                            mask=None):
   """Registers a Normal with fixed scalar variance ``var`` around ``mean``.
 
-  :math:`F_R = I / \\mathrm{var}`; ``var=0.5`` corresponds to the loss
-  :math:`\\sum (y - \\mu)^2` per example.
+  ``mean: [..., d]``: the last axis is one position's ``d`` coordinates,
+  every other axis indexes positions (a 1-D ``mean`` is ``N`` positions of
+  one coordinate). The registered loss is the mean over the positions of
+  the per-position NLL; with ``var=0.5`` (up to a constant)
+  ``jnp.sum((mean - targets) ** 2, axis=-1).mean()``. ``[B, T, d]`` and
+  ``[B·T, d]`` give the same curvature. :math:`F_R = I / \\mathrm{var}`.
+
+  Args:
+    mean: ``[..., d]`` (or ``[N]``).
+    targets: values of ``mean``'s shape (for ``empirical``).
+    var: the fixed variance (a Python float).
+    weight: multiplies this loss's contribution (``weight · mean``).
+    mask: optional, broadcastable to the leading shape ``mean.shape[:-1]``
+      (0 drops a position): the mean over the kept positions of this
+      batch, as for the categorical tag.
+
+  Returns:
+    ``mean``, unchanged.
   """
   return _loss_tag("normal", mean, targets,
                    "register_normal_predictive_distribution",
-                   var=var, weight=weight)
+                   mask=mask, var=var, weight=weight)
 
 
 register_squared_error_loss = register_normal_predictive_distribution
 
 
 def register_multi_bernoulli_predictive_distribution(logits, targets=None, *,
-                                                     weight: float = 1.0):
+                                                     weight: float = 1.0,
+                                                     mask=None):
   """Registers independent Bernoullis with the given logits.
 
+  ``logits: [..., d]`` (or ``[N]``) as for the Normal tag: the registered
+  loss is ``optax.sigmoid_binary_cross_entropy(logits, targets).sum(-1)
+  .mean()``, the mean over the leading positions.
   :math:`F_R = \\mathrm{diag}(p (1 - p))`, :math:`p = \\sigma(z)`.
+
+  Args:
+    logits: ``[..., d]`` (or ``[N]``).
+    targets: 0/1 values of ``logits``' shape (for ``empirical``).
+    weight: multiplies this loss's contribution (``weight · mean``).
+    mask: optional, broadcastable to the leading shape (0 drops a
+      position), as for the categorical tag.
+
+  Returns:
+    ``logits``, unchanged.
   """
   return _loss_tag("multi_bernoulli", logits, targets,
                    "register_multi_bernoulli_predictive_distribution",
-                   weight=weight)
+                   mask=mask, weight=weight)
 
 
 register_sigmoid_cross_entropy_loss = (

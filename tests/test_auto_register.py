@@ -71,7 +71,7 @@ def _update(loss_fn, params, batch, collection, has_aux=False):
 def _records(collection, params, batch):
   """``{site.key: (site, recorded inputs)}`` from one perturbed evaluation."""
   traced = scanner.perturbed_fn(collection, params, batch)
-  _, (_, records, _) = jit(traced.fn)(params, traced.eps)
+  _, (_, records, _, _) = jit(traced.fn)(params, traced.eps)
   return {s.key: (s, records[s.key]) for s in traced.sites}
 
 

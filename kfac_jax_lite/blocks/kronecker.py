@@ -7,8 +7,12 @@ factors' minibatch statistics are formed:
 
 * dense (Martens & Grosse 2015, eq. 1-3): :math:`A = E[\\bar a \\bar a^T]`
   over examples (and uses), :math:`G = E[g g^T]`, ``c`` = number of uses;
-* multi-use dense, ``kron_indep`` (Martens, Ba & Johnson 2018, sec. 3.1):
-  the same averages over the ``T`` uses, ``c = T``;
+* multi-use dense, ``kron_indep`` (Martens, Ba & Johnson 2018, sec. 3.1;
+  K-FAC-expand of Eschenhagen et al. 2023): the same averages over the
+  ``T`` uses, ``c = T``;
+* multi-use dense, ``kron_reduce`` (K-FAC-reduce, Eschenhagen et al. 2023):
+  per example the mean input and the summed output gradient over the
+  uses, ``c = 1`` (:class:`ReduceDenseLayout`);
 * convolutions (KFC, Grosse & Martens 2016, eq. 23): patches over examples
   and locations, ``c`` = locations x uses (:mod:`.conv`);
 * embeddings: a diagonal input factor of lookup frequencies
@@ -151,6 +155,52 @@ class DenseLayout:
     x, g = self.rows(data)
     return kron_stats(x, g, data.batch_size, a_diagonal, g_diagonal,
                       "dense layer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceDenseLayout(DenseLayout):
+  """K-FAC-reduce for a dense layer shared over positions (``kron_reduce``).
+
+  With ``R`` uses per example (the positions of ``[B, T, ..., d_in]``
+  inputs, scan steps, repeated tags), Eschenhagen et al. (2023) average
+  the inputs and sum the output gradients over the
+  shared axis *before* the outer products:
+
+  .. math::
+    \\bar a_b = \\frac{1}{R} \\sum_{r} \\bar a_{b,r}, \\quad
+    \\bar g_{s,b} = \\sum_{r} g_{s,b,r}, \\quad
+    A = \\frac{1}{B} \\sum_b \\bar a_b \\bar a_b^T, \\quad
+    G = \\frac{1}{B} \\sum_{s,b} \\bar g_{s,b} \\bar g_{s,b}^T,
+    \\quad c = 1
+
+  (``ā`` with the bias's 1 appended). The factors cost ``B`` rows instead
+  of ``B·R``. It is exact (``A ⊗ G`` equals the layer's Fisher/GGN block)
+  for a deep linear network whose outputs are reduced over the shared
+  axis before a Gaussian loss; :class:`DenseLayout` (``kron_indep``,
+  K-FAC-expand) is exact when every position has its own loss instead.
+  With ``R = 1`` both are K-FAC.
+
+  References:
+    Eschenhagen, Immer, Turner, Schneider & Hennig (2023), "Kronecker-
+    Factored Approximate Curvature for Modern Neural Network
+    Architectures", NeurIPS.
+  """
+
+  @property
+  def init_scale(self) -> int:
+    return 1
+
+  def rows(self, data: base.LayerData):
+    """Per-example rows: mean inputs ``[B, d_a]``, summed gradients
+    ``[S, B, d_g]``."""
+    dt = linalg.factor_dtype()
+    n = data.batch_size
+    x = jnp.concatenate([inp[0].reshape(n, -1, self.d_in).astype(dt)
+                         for inp in data.inputs], axis=1)
+    x = jnp.mean(append_ones(x) if self.has_bias else x, axis=1)
+    g = jnp.concatenate([gr.reshape(gr.shape[0], n, -1, self.d_out)
+                         .astype(dt) for gr in data.grads], axis=2)
+    return x, jnp.sum(g, axis=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,3 +508,13 @@ def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
       layer=layer, config=config, layout=layout,
       a_diagonal=approx in ("kron_in_diag", "kron_both_diag"),
       g_diagonal=approx in ("kron_out_diag", "kron_both_diag"))
+
+
+def dense_reduce_block(layer: Layer, config: base.BlockConfig
+                       ) -> KroneckerBlock:
+  """The K-FAC-reduce block of a dense layer (:class:`ReduceDenseLayout`)."""
+  expand = dense_block(layer, config)
+  lay = expand.layout
+  return dataclasses.replace(expand, layout=ReduceDenseLayout(
+      d_in=lay.d_in, d_out=lay.d_out, has_bias=lay.has_bias,
+      num_uses=lay.num_uses))

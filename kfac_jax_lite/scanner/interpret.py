@@ -159,8 +159,9 @@ class Traced:
   """The result of tracing ``loss_fn`` at the current shapes.
 
   Attributes:
-    fn: ``fn(params, eps) -> ((loss, zs), (aux, layer_inputs, targets))``
-      where ``zs``/``targets`` are tuples over the loss tags and
+    fn: ``fn(params, eps) -> ((loss, zs), (aux, layer_inputs, targets,
+      masks))`` where ``zs``/``targets``/``masks`` are tuples over the loss
+      tags (None for a tag without targets or mask) and
       ``layer_inputs`` maps a site key to its recorded inputs (with leading
       scan axes).
     sites: the layer sites of the collection's layers, in trace order.
@@ -227,12 +228,14 @@ def perturbed_fn(collection: collection_lib.LayerCollection, params,
     outs = interp.run(closed.jaxpr, closed.consts, args, "")
     out = jax.tree.unflatten(out_tree, outs)
     loss, aux = out if has_aux else (out, None)
-    zs, targets = [], []
+    zs, targets, masks = [], [], []
     for ls in found.losses:
-      rec = interp.loss_records[ls.key]
-      zs.append(rec[0])
-      targets.append(rec[1] if len(rec) > 1 else None)
-    return (loss, tuple(zs)), (aux, interp.layer_records, tuple(targets))
+      rec = list(interp.loss_records[ls.key])
+      zs.append(rec.pop(0))
+      targets.append(rec.pop(0) if ls.spec.has_targets else None)
+      masks.append(rec.pop(0) if ls.spec.has_mask else None)
+    return (loss, tuple(zs)), (aux, interp.layer_records, tuple(targets),
+                               tuple(masks))
 
   return Traced(fn=fn, sites=sites, loss_sites=tuple(found.losses), eps=eps)
 
