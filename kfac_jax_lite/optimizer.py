@@ -39,6 +39,7 @@ import optax
 from kfac_jax_lite import curvature as curvature_lib
 from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import linalg
+from kfac_jax_lite import statistics
 from kfac_jax_lite import transform
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
@@ -60,11 +61,13 @@ class KFACOptimizerState(NamedTuple):
 def fisher_gram(lin, vectors, axis_name=None):
   """``[vᵢᵀ F vⱼ]`` with ``F`` the exact minibatch Fisher (GGN) of the loss.
 
-  .. math:: v_i^T F v_j = \\sum_\\ell \\frac{w_\\ell}{B} \\sum_b
-     (J_b v_i)^T F_R(z_b) (J_b v_j)
+  .. math:: v_i^T F v_j = \\sum_\\ell \\frac{w_\\ell}{N_\\ell} \\sum_n
+     m_{\\ell,n} (J_n v_i)^T F_R(z_n) (J_n v_j)
 
-  ``J_b v`` comes from the JVP of one linearisation (no new forward pass),
-  one JVP per vector.
+  over the ``N_ℓ`` kept leading positions of each loss tag ``ℓ`` (its mask
+  ``m``; :func:`~kfac_jax_lite.statistics.output_fisher_gram`). ``J_n v``
+  comes from the JVP of one linearisation (no new forward pass), one JVP
+  per vector.
 
   Args:
     lin: an :class:`~kfac_jax_lite.estimator.Linearized` of the batch.
@@ -78,12 +81,7 @@ def fisher_gram(lin, vectors, axis_name=None):
   # (docs/performance.md#one-jvp-per-vector).
   jvs = jax.tree.map(lambda *x: jnp.stack(x),
                      *[lin.output_jvp(v) for v in vectors])
-  gram = 0.0
-  for spec, z, jv in zip(lin.collection.losses, lin.zs, jvs):
-    fjv = jax.vmap(lambda v, z=z, spec=spec: spec.multiply_fisher(z, v))(jv)
-    jv = jv.astype(fjv.dtype)
-    gram = gram + spec.weight / z.shape[0] * jnp.einsum(
-        "i...,j...->ij", jv, fjv)
+  gram = statistics.output_fisher_gram(lin, jvs)
   if axis_name is not None:
     gram = lax.pmean(gram, axis_name)
   return gram

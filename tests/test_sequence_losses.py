@@ -308,9 +308,6 @@ def test_scale_by_kfac_is_the_same_for_flattened_and_nested_tags():
                *got)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "optimizer.fisher_gram divides by z.shape[0]; it should use "
-    "statistics.output_fisher_gram (the mean over positions and mask)."))
 def test_kfac_optimizer_is_the_same_for_flattened_and_nested_tags():
   params, batch = _params(), _batch("categorical")
   batch = jax.tree.map(lambda x: jnp.concatenate([x, x[::-1]] * 2), batch)
