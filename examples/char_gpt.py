@@ -10,7 +10,8 @@ token embedding and the LayerNorms by itself and prints what it found.
 
 Loss: the mean over the ``B·T`` positions of the next-character
 cross-entropy. The ``[B, T, V]`` logits are registered as a categorical
-distribution with ``weight=LOSS_TAG_WEIGHT(T)`` (see :func:`loss_tag_weight`).
+distribution; a loss tag describes the mean over its leading positions, so
+the registered curvature is that of this loss.
 
 Data: ``examples/data/tinyshakespeare.txt`` (provenance in
 ``examples/data/README.md``), the first 90% for training and the last 10%
@@ -153,24 +154,12 @@ class GPT(nnx.Module):
     return self.head(self.ln(x))
 
 
-def loss_tag_weight(context: int) -> float:
-  """``weight=`` of the ``[B, T, V]`` loss tag: ``1/T``.
-
-  With it the registered curvature is that of the mean over all ``B·T``
-  positions, which is the loss below: this version of the library counts
-  a ``[B, T, V]`` tag's time axis as a sum (docs/transformers.md).
-  """
-  return 1.0 / context
-
-
-def make_loss_fn(graphdef, context: int) -> Callable:
+def make_loss_fn(graphdef) -> Callable:
   """``loss_fn(params, batch)``: mean next-character cross-entropy."""
-  weight = loss_tag_weight(context)
-
   def loss_fn(params, batch):
     logits = nnx.merge(graphdef, params)(batch["x"])
     logits = kfac_jax_lite.register_categorical_predictive_distribution(
-        logits, batch["y"], weight=weight)
+        logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, batch["y"]).mean()
   return loss_fn
@@ -452,7 +441,7 @@ def setup(args: argparse.Namespace):
   new_model = lambda: GPT(len(chars), args.context, args.width,  # noqa: E731
                           args.layers, args.heads, rngs=nnx.Rngs(args.seed))
   graphdef, _ = nnx.split(new_model(), nnx.Param)
-  loss_fn = make_loss_fn(graphdef, args.context)
+  loss_fn = make_loss_fn(graphdef)
   params = nnx.as_pure(nnx.state(new_model(), nnx.Param))
   batch_fn = lambda k: train_batch(train_ids, k, args.batch_size,  # noqa
                                    args.context, args.seed)
