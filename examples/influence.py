@@ -227,11 +227,12 @@ def plot(path, x_test, y_test, x, y, scores, top):
 
 
 def tiny_check(x, y, x_test, y_test, l2, removals, pool_size=4):
-  """Predicted vs actual test-loss changes when removing one example.
+  r"""Predicted vs actual test-loss changes when removing one example.
 
   Logistic regression (one dense layer, ``M = [W; b]``) on images
-  average-pooled by ``pool_size`` (7x7 by default), in float64. Its objective ``(1/n) Σ_i w_i ℓ_i + λ/2 ||M||²``
-  (``w_i = 1``) is minimised by Newton's method with the exact Hessian
+  average-pooled by ``pool_size`` (7x7 by default), in float64. Its
+  objective ``(1/n) Σ_i w_i ℓ_i + λ/2 ||M||²`` (``w_i = 1``) is
+  minimised by Newton's method with the exact Hessian
   :math:`\frac1n \sum_i w_i \bar x_i \bar x_i^T \otimes
   (\mathrm{diag}\, p_i - p_i p_i^T) + \lambda I`; then each of the
   ``removals`` training images of largest |EK-FAC influence| on the first
