@@ -67,13 +67,15 @@ out; nothing but the basis is cached. The ``damping_type`` option does not
 apply (a factored ``"pi"`` damping has no meaning for a non-Kronecker
 diagonal): both values give ``s + λ``.
 
-**Cost** (``N = B·R`` rows, ``S`` sources, per update): K-FAC's factor
-statistics plus the projections ``N·d_a²`` + ``S·N·d_g²`` and the moments
-``S·B·d_a·d_g`` (``R = 1``) or ``S·N·d_a·d_g`` (``R > 1``) flops; state
-``d_a·d_g`` more (the scalings) than K-FAC's; per refresh two ``eigh``
-(as K-FAC with ``damping_type="exact"``) plus ``O(d_a³ + d_g³)`` for the
-rotation of ``s``; per product ``2 (d_a² d_g + d_a d_g²)`` flops, as
-K-FAC's. See docs/ekfac.md.
+**Cost** (multiply-adds; ``N = B·R`` rows, ``S`` sources; docs/ekfac.md):
+per update, K-FAC's ``N d_a² + S N d_g²`` for the factors plus as much
+again for the projections, and ``B d_a d_g`` (``R = 1``) or ``S N d_a d_g``
+(``R > 1``, with a ``[S, B, d_a, d_g]`` temporary) for the moments; state
+``d_a d_g`` more than K-FAC's (the scalings); per refresh two ``eigh`` (as
+K-FAC with ``damping_type="exact"``) plus ``d_a³ + d_g³`` for the carry-over;
+per product ``2 (d_a² d_g + d_a d_g²)``, twice a ``"pi"`` K-FAC product (as
+K-FAC's with ``damping_type="exact"``). Under data parallelism the rows are
+gathered over the replicas (:mod:`kfac_jax_lite.statistics`), not averaged.
 """
 
 from __future__ import annotations
