@@ -162,6 +162,23 @@ def test_refresh_carries_scalings_into_the_new_basis():
       block.full_fisher_block(new))), np.trace(before), rtol=1e-10)
 
 
+@pytest.mark.usefixtures("x64")
+def test_stacked_layer_follows_the_protocol():
+  built = [cases.dense(s, approx="ekfac") for s in range(3)]
+  layer = built[0][0]
+  stack = lambda *xs: jnp.stack(xs)  # noqa: E731
+  data = jax.tree.map(stack, *[b[1] for b in built])
+  params = jax.tree.map(stack, *[b[2] for b in built])
+  layer = dataclasses.replace(
+      layer, stack=3, param_shapes=tuple((3,) + p.shape[1:] for p in params))
+  block = h.make_block(layer, compute_cholesky=True,
+                       compute_cholesky_inverse=True)
+  data = data._replace(batch_size=built[0][1].batch_size)
+  assert block.row_stats == ("x", "dy")
+  out = h.check_protocol(block, data, params)
+  assert out["factors"]["s"].shape == (3, 4, 2)
+
+
 def test_registry_rows_and_damping_type():
   assert "ekfac" in kl.APPROXIMATIONS["fully_connected"]
   assert "ekfac" in kl.APPROXIMATIONS["fully_connected_multi"]
@@ -295,10 +312,11 @@ def test_kfac_steps_with_ekfac_reduce_the_loss():
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
 
 
-def test_data_parallel_scalings_use_the_global_batch():
+@pytest.mark.parametrize("distributed_inverses", [False, True])
+def test_data_parallel_scalings_use_the_global_batch(distributed_inverses):
   """Under pmap (stats_sync="every_update") each replica's rows are
   gathered, not averaged: the state equals one device's on the whole
-  batch."""
+  batch (also when each device refreshes a share of the layers)."""
   r = 2
   if jax.device_count() < r:
     pytest.skip("needs 2 devices (tests/conftest.py sets them)")
@@ -307,7 +325,8 @@ def test_data_parallel_scalings_use_the_global_batch():
   coll = kl.scan(helpers.classifier_loss, params, batch,
                  approximations={"fully_connected": "ekfac"})
   single = kl.FisherEstimator(coll, estimation_mode="empirical")
-  multi = dataclasses.replace(single, axis_name="d")
+  multi = dataclasses.replace(single, axis_name="d",
+                              distributed_inverses=distributed_inverses)
 
   def run(est, b):
     s = est.update_curvature(est.init(params), params, b)
