@@ -112,7 +112,8 @@ _ROWS = (
         use_count="positions", bias_index=1),
     LayerKind(
         "conv",
-        ("kron", "diagonal", "kron_sua", "ekfac"), ("kron_indep", "diagonal"),
+        ("kron", "diagonal", "kron_sua", "ekfac"),
+        ("kron_indep", "diagonal", "ekfac"),
         (("kron", "conv.conv_kron_block"),
          ("ekfac", "ekfac.conv_ekfac_block"),
          ("kron_indep", "conv.conv_kron_block"),

@@ -39,8 +39,9 @@ def _explicit_fisher(layer, data, params, fn, conv=False):
   its uses and sites (ravel order of the params)."""
   per = 0.0
   for (x,), g in zip(data.inputs, data.grads):
-    if conv:   # One use: [B, 1, ...] -> [B, ...].
-      per = per + h.per_example_grads(fn, params, x[:, 0], g[:, :, 0])
+    if conv:   # Uses: [B, U, ...], each a call of the conv.
+      for u in range(x.shape[1]):
+        per = per + h.per_example_grads(fn, params, x[:, u], g[:, :, u])
     else:
       per = per + h.per_example_grads(fn, params, x, g)
   return np.asarray(h.per_example_fisher(per))
@@ -66,6 +67,7 @@ CASES = {
     "conv": lambda: cases.conv(3, approx="ekfac"),
     "conv_oihw": lambda: cases.conv(4, approx="ekfac",
                                     case="nchw_oihw_explicit"),
+    "conv_multi_use": lambda: cases.conv(5, approx="ekfac", uses=2),
 }
 
 
@@ -106,7 +108,8 @@ def _to_ravel(block, f):
 
 
 @pytest.mark.usefixtures("x64")
-@pytest.mark.parametrize("name", ["dense", "dense_multi_use", "conv"])
+@pytest.mark.parametrize("name", ["dense", "dense_multi_use", "conv",
+                                  "conv_multi_use"])
 def test_products_are_powers_of_the_damped_block(name):
   layer, data, params, _ = CASES[name]()
   block = h.make_block(layer, exps=(-1, -0.5))
@@ -183,6 +186,7 @@ def test_registry_rows_and_damping_type():
   assert "ekfac" in kl.APPROXIMATIONS["fully_connected"]
   assert "ekfac" in kl.APPROXIMATIONS["fully_connected_multi"]
   assert "ekfac" in kl.APPROXIMATIONS["conv"]
+  assert "ekfac" in kl.APPROXIMATIONS["conv_multi"]
   layer = cases.dense(0, approx="ekfac")[0]
   for damping_type in ("pi", "exact"):
     block = h.make_block(layer, damping_type=damping_type)
