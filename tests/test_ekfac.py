@@ -84,6 +84,10 @@ def test_scalings_are_the_diagonal_of_the_exact_block_in_the_basis(name):
   rot = u.T @ _to_ravel(block, kfac) @ u
   np.testing.assert_allclose(rot, np.diag(np.diag(rot)),
                              atol=1e-9 * np.abs(rot).max())
+  np.testing.assert_allclose(
+      float(state.scale) * np.diag(rot),
+      np.asarray(ekfac.kfac_eigenvalues(state)).reshape(-1),
+      rtol=1e-8, atol=1e-10 * np.abs(rot).max())
   # s = diag(Uᵀ F U), and the EK-FAC block is U diag(s) Uᵀ.
   want = np.diag(u.T @ f @ u)
   np.testing.assert_allclose(np.asarray(state.s).reshape(-1), want,
