@@ -21,7 +21,7 @@ a parameter-path prefix to a factory per call, with no global state.
 
 Example:
   >>> kinds.KINDS["conv"].approximations
-  ('kron', 'diagonal', 'kron_sua')
+  ('kron', 'diagonal', 'kron_sua', 'ekfac')
   >>> kinds.approximations("fully_connected", num_uses=3)[0]
   'kron_indep'
 """
@@ -100,12 +100,12 @@ _ROWS = (
     LayerKind(
         "fully_connected",
         ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag",
-         "diagonal", "full",
-         "kron_reduce"),
+         "diagonal", "full", "ekfac", "kron_reduce"),
         ("kron_indep", "kron_series_1", "kron_series_2", "kron_in_diag",
-         "kron_out_diag", "kron_both_diag", "diagonal", "full",
+         "kron_out_diag", "kron_both_diag", "diagonal", "full", "ekfac",
          "kron_reduce"),
         _kron("kronecker.dense_block") + (
+            ("ekfac", "ekfac.dense_ekfac_block"),
             ("kron_reduce", "kronecker.dense_reduce_block"),
             ("kron_series_1", "multi_use.series_block"),
             ("kron_series_2", "multi_use.series_block"),
@@ -114,8 +114,10 @@ _ROWS = (
         use_count="positions", bias_index=1),
     LayerKind(
         "conv",
-        ("kron", "diagonal", "kron_sua"), ("kron_indep", "diagonal"),
+        ("kron", "diagonal", "kron_sua", "ekfac"),
+        ("kron_indep", "diagonal", "ekfac"),
         (("kron", "conv.conv_kron_block"),
+         ("ekfac", "ekfac.conv_ekfac_block"),
          ("kron_indep", "conv.conv_kron_block"),
          ("kron_sua", "sua.conv_sua_block"),
          ("diagonal", "conv.conv_diagonal_block")),

@@ -535,11 +535,33 @@ def make_stats(p: Pass, params, blocks, groups, *, params_stats: bool,
     defer = stats_sync == "before_refresh"
     avg = [None if (blocks[g[0]].needs_param_grads or defer) else s
            for g, s in zip(groups, stacked)]
+    split = [_split_rows(blocks[g[0]], a) for g, a in zip(groups, avg)]
+    avg, rows = [a for a, _ in split], [r for _, r in split]
     avg, mean_grads = lax.pmean((avg, mean_grads), axis_name)
+    avg = [_gather_rows(a, r, axis_name) for a, r in zip(avg, rows)]
     stacked = [s if a is None else a for s, a in zip(stacked, avg)]
   return Stats(stacked=dict(zip(map(grouping.group_name, groups), stacked)),
                params=mean_grads, finite_marker=marker,
                reduction=reduction(axis_name, stats_sync))
+
+
+def _split_rows(block, stats):
+  """``(rest, rows)``: ``stats`` without, and with only, the per-example
+  rows the block names in ``row_stats`` (EK-FAC's); rows None if none."""
+  names = getattr(block, "row_stats", ())
+  if stats is None or not names:
+    return stats, None
+  return ({k: v for k, v in stats.items() if k not in names},
+          {k: stats[k] for k in names})
+
+
+def _gather_rows(stats, rows, axis_name):
+  """``stats`` with the replicas' per-example rows put back, gathered along
+  their batch axis (third from last: ``[..., B, R, d]``), not averaged."""
+  if rows is None:
+    return stats
+  return {**stats, **{k: lax.all_gather(v, axis_name, axis=v.ndim - 3,
+                                        tiled=True) for k, v in rows.items()}}
 
 
 def check_reduction(stats, axis_name, stats_sync):

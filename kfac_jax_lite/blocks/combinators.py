@@ -67,6 +67,11 @@ class VmappedBlock(base.Shorthands, base.UnfusedProducts):
   def needs_param_grads(self) -> bool:
     return self.inner.needs_param_grads
 
+  @property
+  def row_stats(self) -> tuple:
+    """The inner block's per-example row statistics (EK-FAC's), if any."""
+    return getattr(self.inner, "row_stats", ())
+
   def init(self):
     return jax.tree.map(
         lambda x: jnp.broadcast_to(x, (self.size,) + x.shape),
