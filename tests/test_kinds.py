@@ -5,6 +5,7 @@ import dataclasses
 import pathlib
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from kfac_jax_lite import tags
 from kfac_jax_lite.blocks import base
 from tests import block_cases as cases
 from tests import blocks_helpers as h
+from tests import helpers
 from tests.blocks_helpers import x64  # noqa: F401  (fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -224,3 +226,40 @@ def test_no_block_overrides_a_shared_method():
           if issubclass(cls, m):
             assert not shared & set(vars(cls)), cls
   assert checked >= 8
+
+
+@pytest.mark.usefixtures("x64")
+def test_estimator_and_kfac_use_a_user_block_per_call():
+  """``block_factories=`` puts a user block on one layer, through the
+  estimator's verbs and through ``kfac(estimator=...)``."""
+  params, batches, col = helpers.small_classifier(2)
+  first = col.layers[0].param_paths[0]
+  est = kl.FisherEstimator(col, estimation_mode="empirical",
+                           block_factories={first: _user})
+  assert isinstance(est.blocks[0], IsotropicBlock)
+  assert not isinstance(est.blocks[1], IsotropicBlock)
+  assert not any(isinstance(b, IsotropicBlock)
+                 for b in kl.FisherEstimator(col).blocks)
+  state = est.update_curvature(est.init(params), params, batches[0],
+                               ema_decay=0.0)
+  state = est.update_cache(state, damping=0.5)
+  tau = est.per_layer(state)[0].tau
+  assert float(tau) > 0
+  v = jax.tree.map(jnp.ones_like, params)
+  got = est.multiply_inverse(state, v)
+  layer0 = [jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(params)[0]]
+  mine = [g for path, g in zip(layer0, jax.tree.leaves(got))
+          if path in col.layers[0].param_paths]
+  assert len(mine) == 2
+  for g in mine:
+    np.testing.assert_allclose(g, 1.0 / (float(tau) + 0.5), rtol=1e-12)
+  tx = kl.kfac(0.1, col, estimator=est)
+  opt = tx.init(params)
+  vgs = kl.value_grad_and_stats(helpers.classifier_loss, col, estimator=est)
+  for i, batch in enumerate(batches):
+    _, grads, stats = vgs(params, batch, jax.random.PRNGKey(i))
+    updates, opt = tx.update(grads, opt, params, stats=stats)
+  curvature = opt.inner[0]
+  assert isinstance(est.per_layer(curvature.estimator)[0], IsotropicState)
+  assert float(est.per_layer(curvature.estimator)[0].tau) > 0
