@@ -19,7 +19,6 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import scanner
 from kfac_jax_lite import tags
-from tests.blocks_helpers import jit
 
 B = 4
 
@@ -60,7 +59,7 @@ def _update(loss_fn, params, batch, collection, has_aux=False):
   state = tx.init(params)
   grads = jax.grad(loss_fn, has_aux=has_aux)(params, batch)
   grads = grads[0] if has_aux else grads
-  step = jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
+  step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
   updates, _ = step(grads, state, params, batch)
   leaves = jax.tree.leaves(updates)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in leaves)
@@ -71,7 +70,7 @@ def _update(loss_fn, params, batch, collection, has_aux=False):
 def _records(collection, params, batch):
   """``{site.key: (site, recorded inputs)}`` from one perturbed evaluation."""
   traced = scanner.perturbed_fn(collection, params, batch)
-  _, (_, records, _) = jit(traced.fn)(params, traced.eps)
+  _, (_, records, _) = jax.jit(traced.fn)(params, traced.eps)
   return {s.key: (s, records[s.key]) for s in traced.sites}
 
 
@@ -90,7 +89,7 @@ def _empirical_state(collection, params, batch, exps=(-1,)):
 
 def _empirical_fisher(collection, params, batch):
   est, state = _empirical_state(collection, params, batch)
-  return jit(est.full_fisher)(state)
+  return jax.jit(est.full_fisher)(state)
 
 
 def _x(*shape, seed=0):

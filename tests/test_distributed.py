@@ -18,6 +18,7 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import distributed
 from tests import helpers
+from tests import problems
 
 R = 4  # devices
 
@@ -44,11 +45,9 @@ def _loss(params, batch):
 def _problem():
   if jax.device_count() < R:
     pytest.skip(f"needs {R} devices (tests/conftest.py sets them)")
-  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 8, 8, 3])
+  params, batches, _ = problems.mlp_classifier((6, 8, 8, 8, 3), 16, 3)
   params["scale"] = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(9),
                                                   (8,))
-  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
-             for i in range(3)]
   collection = kl.scan(_loss, params, batches[0])
   return params, batches, collection
 
@@ -422,8 +421,7 @@ def test_bad_options(problem, kwargs, match):
 
 
 def _example(name):
-  from tests.test_examples import _load_example  # pylint: disable=g-import-not-at-top
-  return _load_example(name)
+  return helpers.load_example(name)
 
 
 @pytest.mark.parametrize("name,flags", [

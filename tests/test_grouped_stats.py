@@ -23,16 +23,15 @@ from kfac_jax_lite import grouping
 from kfac_jax_lite import keys
 from kfac_jax_lite import statistics
 from tests import helpers
+from tests import problems
 
 # 8 -> 6 (different), three identical 6 -> 6 layers, 6 -> 3 (different).
 SIZES = [8, 6, 6, 6, 6, 3]
 
 
 def _problem(sizes=SIZES, n=5):
-  params = helpers.mlp_params(jax.random.PRNGKey(0), sizes)
-  batch = helpers.classification_batch(jax.random.PRNGKey(1), n, sizes[0],
-                                       sizes[-1])
-  return params, batch, helpers.classifier_loss
+  p = problems.mlp_classifier(sizes, n, first_batch_seed=1)
+  return p.params, p.batch, p.loss
 
 
 def _estimator(sizes=SIZES, **kwargs):

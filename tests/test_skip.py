@@ -18,11 +18,12 @@ import kfac_jax_lite as kl
 from kfac_jax_lite import _xla_cpu
 from kfac_jax_lite import trees
 from tests import helpers
+from tests import problems
 
 
 @pytest.fixture(name="problem", scope="module")
 def _problem():
-  params, batches, collection = helpers.small_classifier(3)
+  params, batches, collection = problems.small_classifier(3)
   vgs = kl.value_grad_and_stats(helpers.classifier_loss, collection)
   return params, batches, collection, vgs
 

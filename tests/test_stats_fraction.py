@@ -7,15 +7,14 @@ import pytest
 
 import kfac_jax_lite as kl
 from tests import helpers
+from tests import problems
 
 SIZES = [5, 6, 3]
 
 
 def _problem(n=8, seed=0):
-  params = helpers.mlp_params(jax.random.PRNGKey(seed), SIZES)
-  batch = helpers.classification_batch(jax.random.PRNGKey(seed + 1), n,
-                                       SIZES[0], SIZES[-1])
-  return params, batch
+  p = problems.mlp_classifier(SIZES, n, seed=seed, first_batch_seed=seed + 1)
+  return p.params, p.batch
 
 
 def _stats(collection, params, batch, fraction, mode="exact", **kw):
