@@ -364,6 +364,7 @@ def test_plan_spreads_the_refresh_over_devices(problem):
   assert distributed.assign([3.0, 3.0], 1) == (0, 0)
 
 
+@pytest.mark.perf
 def test_distributed_refresh_communicates_only_new_leaves(problem):
   """Factors pass through the refresh: only caches and damping are psummed
   (counted in the jaxpr)."""

@@ -151,6 +151,7 @@ def test_loss_samples_follow_the_model_distribution(kind):
     np.testing.assert_allclose(y.mean(0), jax.nn.sigmoid(z[0]), atol=0.015)
 
 
+@pytest.mark.perf
 def test_a_kfac_step_runs_no_threefry():
   """The sampled Fisher's keys (step, loss, sample) and draws are hashed:
   a step of kfac() with value_grad_and_stats runs no threefry (split,

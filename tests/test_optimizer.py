@@ -180,6 +180,7 @@ def test_reduction_ratio_is_the_loss_at_the_applied_update():
   assert float(state.rho) == float(before.rho)
 
 
+@pytest.mark.perf
 def test_damping_rule_reads_the_caller_s_new_parameters():
   """θ + u is formed outside the damping rule's conditional, as the
   caller's ``apply_updates`` forms it (one sum XLA shares), so no branch
