@@ -136,8 +136,10 @@ def _one_device():
   return {}  # estimation mode -> (directions, state), filled once per mode
 
 
-@pytest.mark.parametrize("mode", ["empirical", "exact"])
-@pytest.mark.parametrize("mapping", ["pmap", "shard_map", "jit"])
+@pytest.mark.parametrize("mapping,mode", [
+    pytest.param(m, e, marks=() if (m, e) == ("shard_map", "empirical")
+                 else pytest.mark.slow)   # The sweep: slow tier.
+    for e in ("empirical", "exact") for m in ("pmap", "shard_map", "jit")])
 def test_data_parallel_matches_one_device(problem, mesh, one_device, mapping,
                                           mode):
   params, batches, c = problem
@@ -230,10 +232,9 @@ def test_kfac_optimizer_data_parallel_matches_one_device(problem, mesh):
 @pytest.mark.parametrize("make", [
     lambda c, axis: kl.kfac(0.1, c, damping=1e-2, inverse_update_period=3,
                             axis_name=axis),
-    lambda c, axis: kl.kfac_optimizer(c, initial_damping=1e-2,
-                                      damping_adaptation_interval=2,
-                                      inverse_update_period=3,
-                                      axis_name=axis)],
+    pytest.param(lambda c, axis: kl.kfac_optimizer(
+        c, initial_damping=1e-2, damping_adaptation_interval=2,
+        inverse_update_period=3, axis_name=axis), marks=pytest.mark.slow)],
     ids=["kfac", "kfac_optimizer"])
 def test_replica_states_stay_bitwise_identical(problem, make):
   """20 steps in ``gradients`` mode (sampled targets differ per replica)."""
@@ -316,11 +317,12 @@ def test_stats_synced_before_refresh(problem):
 
 @pytest.mark.parametrize("mapping,kwargs", [
     ("pmap", {}),
-    ("pmap", {"damping_type": "exact", "stagger_inverse_updates": True,
-              "inverse_update_period": 2}),
-    ("pmap", {"stats_sync": "before_refresh", "exps": (-1, -0.5),
-              "compute_cholesky": True}),
-    ("shard_map", {})])
+    pytest.param("pmap", {"damping_type": "exact",
+                          "stagger_inverse_updates": True,
+                          "inverse_update_period": 2}, marks=pytest.mark.slow),
+    pytest.param("pmap", {"stats_sync": "before_refresh", "exps": (-1, -0.5),
+                          "compute_cholesky": True}, marks=pytest.mark.slow),
+    pytest.param("shard_map", {}, marks=pytest.mark.slow)])
 def test_distributed_inverses_match_local(problem, mesh, mapping, kwargs):
   params, batches, c = problem
   batches = batches[:2]
@@ -425,6 +427,7 @@ def _example(name):
   return helpers.load_example(name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,flags", [
     ("pmap_data_parallel", ["--distributed-inverses"]),
     ("shard_map_data_parallel", ["--stats-sync", "before_refresh"])])
@@ -441,6 +444,7 @@ def test_data_parallel_examples_run(name, flags, capsys):
   assert "final loss" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   """jax.distributed on loopback (gloo), 2 processes x 1 CPU device, 5
   steps, against one process with the combined batch."""
@@ -456,6 +460,7 @@ def test_two_processes_match_one_process(tmp_path):
   helpers.assert_trees_close(out["params"], ref["params"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_launcher_kills_workers_on_timeout():
   mp = _example("multiprocess_data_parallel")
   with pytest.raises(mp.LaunchError, match="failed") as info:

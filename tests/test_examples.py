@@ -10,6 +10,9 @@ from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# End-to-end runs of whole examples: the slow tier.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(name="mnist", scope="module")
 def _mnist(tmp_path_factory):

@@ -359,6 +359,7 @@ def _run_worker(*args):
                  timeout=300, capture_output=True)
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bitwise_identical(tmp_path):
   whole, parts = tmp_path / "whole", tmp_path / "parts"
   whole.mkdir()
