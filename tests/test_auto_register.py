@@ -325,6 +325,7 @@ class _CNN(nn.Module):
     return nn.Dense(3)(x.reshape(x.shape[0], -1))
 
 
+@pytest.mark.slow
 def test_linen_cnn():
   loss_fn, params, batch = _linen(_CNN(), _x(B, 8, 8, 3), _labels(B))
   c = kl.scan(loss_fn, params, batch, strict=True)
@@ -861,6 +862,7 @@ class _Residual(nn.Module):
     return nn.Dense(10)(x)
 
 
+@pytest.mark.perf
 def test_scan_of_48_residual_blocks_is_fast():
   """Loosely bounded here; benchmarks/compile_depth.py has the timings."""
   loss_fn, params, batch = _linen(_Residual(48), _x(8, 64), _labels(8, n=10))

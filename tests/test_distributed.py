@@ -280,6 +280,7 @@ def test_replicas_draw_different_targets(problem):
   np.testing.assert_array_equal(unfolded.g[1], unfolded.g[0])
 
 
+@pytest.mark.slow
 def test_stats_synced_before_refresh(problem):
   """Per-replica EMAs between refreshes; at a refresh their average, which
   equals the factors of averaging at every update (the EMA is linear)."""

@@ -304,6 +304,7 @@ _APPROXES = ["kron", "kron_in_diag", "kron_out_diag", "kron_both_diag",
              "diagonal", "full"]
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=12, deadline=None,
                      suppress_health_check=[
                          hypothesis.HealthCheck.too_slow])
