@@ -78,7 +78,7 @@ def _empirical_state(collection, params, batch, exps=(-1,)):
   """Estimator and state after one empirical-Fisher update (jitted)."""
   est = kl.FisherEstimator(collection, estimation_mode="empirical", exps=exps)
 
-  @jit
+  @jax.jit
   def fn(params, batch):
     state = est.update_curvature(est.init(params), params, batch,
                                  jax.random.PRNGKey(0))
