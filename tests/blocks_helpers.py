@@ -15,17 +15,6 @@ from kfac_jax_lite.blocks import base
 from kfac_jax_lite.collection import Layer
 
 
-# XLA's CPU backend spends most of these tests compiling; its cheapest
-# settings compile about 2.5x faster and change nothing the tests check.
-FAST_COMPILE = {"xla_backend_optimization_level": 0,
-                "xla_llvm_disable_expensive_passes": True}
-
-
-def jit(fn, **kwargs):
-  """``jax.jit`` with :data:`FAST_COMPILE` (tests only)."""
-  return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
-
-
 @pytest.fixture
 def x64():
   """Runs a test in float64 (factors too), restoring the flag afterwards."""
@@ -199,7 +188,7 @@ def check_protocol(block, data, params, exp1=True, cholesky=True):
   assert isinstance(block, base.Block)
   v = random_like(3, params)
   batch = data.batch_size   # A static int, closed over.
-  out = jit(lambda d, x: _run(block, d._replace(batch_size=batch), x))(
+  out = jax.jit(lambda d, x: _run(block, d._replace(batch_size=batch), x))(
       data._replace(batch_size=None), v)
   _same_structure(out["state"], out["state0"])
   stats, factors = out["stats"], out["factors"]

@@ -1,4 +1,11 @@
-"""Small models and explicit reference computations shared by the tests."""
+"""Small models and explicit reference computations shared by the tests.
+
+The named problems built from these live in ``tests/problems.py``.
+"""
+
+import importlib.util
+import pathlib
+import sys
 
 import jax
 import jax.extend
@@ -7,6 +14,18 @@ import numpy as np
 import optax
 
 import kfac_jax_lite as kl
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_example(name):
+  """Imports ``examples/<name>.py`` as a module (examples is no package)."""
+  path = ROOT / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses (flax modules) look it up.
+  spec.loader.exec_module(module)
+  return module
 
 
 def mlp_params(key, sizes, bias=True):
@@ -45,15 +64,6 @@ def classification_batch(key, n, d, classes):
   kx, ky = jax.random.split(key)
   return (jax.random.normal(kx, (n, d)),
           jax.random.randint(ky, (n,), 0, classes))
-
-
-def small_classifier(num_batches):
-  """``(params, batches, collection)``: the tagged 6-8-3 MLP classifier and
-  ``num_batches`` batches of 16 (shared by the transform and skip tests)."""
-  params = mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
-  batches = [classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
-             for i in range(num_batches)]
-  return params, batches, kl.scan(classifier_loss, params, batches[0])
 
 
 def per_example_preactivation_grads(loss_fn_single, params, batch):

@@ -19,7 +19,6 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import scanner
 from kfac_jax_lite import tags
-from tests.blocks_helpers import jit
 
 B = 4
 
@@ -60,7 +59,7 @@ def _update(loss_fn, params, batch, collection, has_aux=False):
   state = tx.init(params)
   grads = jax.grad(loss_fn, has_aux=has_aux)(params, batch)
   grads = grads[0] if has_aux else grads
-  step = jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
+  step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
   updates, _ = step(grads, state, params, batch)
   leaves = jax.tree.leaves(updates)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in leaves)
@@ -71,7 +70,7 @@ def _update(loss_fn, params, batch, collection, has_aux=False):
 def _records(collection, params, batch):
   """``{site.key: (site, recorded inputs)}`` from one perturbed evaluation."""
   traced = scanner.perturbed_fn(collection, params, batch)
-  _, (_, records, _, _) = jit(traced.fn)(params, traced.eps)
+  _, (_, records, _, _) = jax.jit(traced.fn)(params, traced.eps)
   return {s.key: (s, records[s.key]) for s in traced.sites}
 
 
@@ -79,7 +78,7 @@ def _empirical_state(collection, params, batch, exps=(-1,)):
   """Estimator and state after one empirical-Fisher update (jitted)."""
   est = kl.FisherEstimator(collection, estimation_mode="empirical", exps=exps)
 
-  @jit
+  @jax.jit
   def fn(params, batch):
     state = est.update_curvature(est.init(params), params, batch,
                                  jax.random.PRNGKey(0))
@@ -90,7 +89,7 @@ def _empirical_state(collection, params, batch, exps=(-1,)):
 
 def _empirical_fisher(collection, params, batch):
   est, state = _empirical_state(collection, params, batch)
-  return jit(est.full_fisher)(state)
+  return jax.jit(est.full_fisher)(state)
 
 
 def _x(*shape, seed=0):
@@ -326,6 +325,7 @@ class _CNN(nn.Module):
     return nn.Dense(3)(x.reshape(x.shape[0], -1))
 
 
+@pytest.mark.slow
 def test_linen_cnn():
   loss_fn, params, batch = _linen(_CNN(), _x(B, 8, 8, 3), _labels(B))
   c = kl.scan(loss_fn, params, batch, strict=True)
@@ -862,6 +862,7 @@ class _Residual(nn.Module):
     return nn.Dense(10)(x)
 
 
+@pytest.mark.perf
 def test_scan_of_48_residual_blocks_is_fast():
   """Loosely bounded here; benchmarks/compile_depth.py has the timings."""
   loss_fn, params, batch = _linen(_Residual(48), _x(8, 64), _labels(8, n=10))

@@ -155,6 +155,7 @@ def test_kfac_refresh_runs_limited_and_restores():
   assert _threads(False) == others
 
 
+@pytest.mark.slow
 def test_step_with_the_limit_is_persistently_cached(tmp_path):
   # A host callback would keep the step out of JAX's persistent
   # compilation cache; the limit's FFI calls must not.

@@ -93,7 +93,7 @@ def test_block_identities(name, damping_type):
                        compute_cholesky_inverse=True,
                        damping_type=damping_type)
   v = h.random_like(1, params)
-  out = h.jit(lambda v: _products(block, data, supports, v, tiny))(v)
+  out = jax.jit(lambda v: _products(block, data, supports, v, tiny))(v)
 
   # Non-finite statistics leave the state untouched; init matches in shape.
   for x, y in zip(jax.tree.leaves(out["state"]),

@@ -30,7 +30,7 @@ def _estimate(loss_fn, params, batch, damping=1e-3, **kwargs):
   est = kfac.FisherEstimator(collection, estimation_mode="empirical",
                              damping=damping, **kwargs)
 
-  @h.jit
+  @jax.jit
   def run(params, v):
     state = est.init(params)
     state = est.update_curvature(state, params, batch,
@@ -54,7 +54,7 @@ def _per_example_fisher(loss_fn, params, batch):
     ex = jax.tree.map(lambda x: x[None], example)
     g = jax.grad(loss_fn)(params, ex)
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(g)])
-  grads = h.jit(jax.vmap(one))(batch)
+  grads = jax.jit(jax.vmap(one))(batch)
   return np.asarray(grads.T @ grads / grads.shape[0])
 
 
@@ -104,7 +104,7 @@ def _conv_output_grads(loss_fn, params, batch):
 
 
 def _conv_patches(x, w_shape):
-  jac = h.jit(jax.jacfwd(lambda w: lax.conv_general_dilated(
+  jac = jax.jit(jax.jacfwd(lambda w: lax.conv_general_dilated(
       x, w, **CONV)[..., 0]))(jnp.zeros(w_shape, x.dtype))[..., 0]
   p = np.asarray(jac).reshape(x.shape[0], -1, int(np.prod(w_shape[:3])))
   return np.concatenate([p, np.ones(p.shape[:2] + (1,))], axis=-1)
@@ -187,7 +187,7 @@ def test_depthwise_kron():
   collection, state, full = _estimate(loss_fn, params, batch)
   assert collection.layers[0].kind == "depthwise_conv"
   # Patches of channel k: ∂y[..., k·M] / ∂w[:, :, k, 0].
-  jac = h.jit(jax.jacfwd(lambda w: depthwise(batch["x"], w)))(params["w"])
+  jac = jax.jit(jax.jacfwd(lambda w: depthwise(batch["x"], w)))(params["w"])
   jac = np.asarray(jac).reshape(B, 20, c, m, kh * kw, c, m)
   patches = np.stack([jac[:, :, k, 0, :, k, 0] for k in range(c)])
   y = depthwise(batch["x"], params["w"])
@@ -393,7 +393,7 @@ def test_rnn_series(approx):
   layer = collection.layer("['w']")
   assert (layer.approx, layer.num_uses) == (approx, t)
   est = kfac.FisherEstimator(collection, estimation_mode="empirical")
-  state = h.jit(lambda p: est.update_cache(est.update_curvature(
+  state = jax.jit(lambda p: est.update_cache(est.update_curvature(
       est.init(p), p, batch, jax.random.PRNGKey(0))))(params)
   block_state = state.blocks[collection.layers.index(layer)]
   n = B * t
@@ -461,7 +461,7 @@ def test_kfac_steps_with_every_block_family():
           ("fully_connected", "kron_series_2")} <= kinds
   tx = kfac.kfac(1e-2, collection, damping=1e-2, inverse_update_period=1)
 
-  @h.jit
+  @jax.jit
   def update(params, state):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, state = tx.update(grads, state, params, batch=batch)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("x64")  # float64 factors
 
 def _stats_state(block, data):
   """The state after one zero-debiased update (no cache needed)."""
-  return h.jit(lambda: block.update_curvature(
+  return jax.jit(lambda: block.update_curvature(
       block.init(), block.compute_stats(data), 0.9))()
 
 
@@ -66,7 +66,7 @@ def test_per_example_blocks_match_explicit_fisher(name, builder, kwargs):
   layer, data, params, fn = builder(3, **kwargs)
   block = h.make_block(layer)
 
-  @h.jit
+  @jax.jit
   def run():
     state = block.update_curvature(block.init(), block.compute_stats(data),
                                    0.9)
@@ -113,7 +113,7 @@ def _patches(meta, x, w):
   """Patches ``[N, L, K·I]`` in kernel-matrix order, by differentiation."""
   lhs, rhs, out = _specs(meta)
   fn = cases.conv_fn(meta)
-  jac = h.jit(jax.jacfwd(lambda w: _to_nlc(fn((w,), x), out)[:, :, 0]))(w)
+  jac = jax.jit(jax.jacfwd(lambda w: _to_nlc(fn((w,), x), out)[:, :, 0]))(w)
   jac = jnp.take(jac, 0, axis=2 + rhs.index("O"))     # kernel column o = 0
   kernel = rhs.replace("O", "")
   perm = [kernel.index(ch) for ch in kernel if ch != "I"] + [kernel.index("I")]
@@ -274,7 +274,7 @@ def test_depthwise_lax_kron_is_restricted_dense_kfc(case, bias):
 def test_separable_is_depthwise_diagonal_plus_pointwise_kfc():
   layer, data, params, fn = cases.separable(8, "kron", bias=True)
   x = data.inputs[0][0]
-  grads = h.jit(lambda: h.per_example_grads(
+  grads = jax.jit(lambda: h.per_example_grads(
       lambda p, xb: fn(p, xb[0]), params, x, data.grads[0]))()
   n_dw = params[0].size
   dw = np.diag(np.diag(np.asarray(h.per_example_fisher(grads[..., :n_dw]))))
@@ -320,7 +320,7 @@ def test_embedding_kron_is_exact_fisher_for_one_id_and_shared_grads():
   layer, data, params, fn = cases.embedding(10, vocab=4, k=None)
   shared = jnp.broadcast_to(data.grads[0][:, :1], data.grads[0].shape)
   data = data._replace(grads=(shared,))
-  explicit = np.asarray(h.jit(lambda: _explicit_fisher(fn, data, params))())
+  explicit = np.asarray(jax.jit(lambda: _explicit_fisher(fn, data, params))())
   np.testing.assert_allclose(_full(h.make_block(layer), data), explicit,
                              rtol=1e-12, atol=1e-14)
 
@@ -389,7 +389,7 @@ def test_tied_embedding_statistics_by_hand():
   explicit = c_e * np.kron(np.diag(a), gg) + c_o * np.kron(np.diag(r), xx)
   v = h.random_like(2, params)
 
-  @h.jit
+  @jax.jit
   def run(v):
     state = h.fit(block, data, damping)
     return (block.full_fisher_block(state), block.multiply(state, v),
@@ -459,7 +459,7 @@ def test_bf16_params_give_float32_factors(name):
     block = h.make_block(layer)
     v = h.random_like(1, params)
 
-    @h.jit
+    @jax.jit
     def run(v):
       state = h.fit(block, data, 1e-3)
       return state, block.multiply_inverse(state, v)

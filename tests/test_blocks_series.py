@@ -1,5 +1,6 @@
 """kron_series_1 / kron_series_2 against dense constructions (T = 3)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ def _damped(state, t):
 def _fit(approx, t=3, seed=0):
   layer, data, params, _ = cases.series(seed, approx, t=t)
   block = h.make_block(layer)
-  state = h.jit(lambda: h.fit(block, data, DAMPING))()
+  state = jax.jit(lambda: h.fit(block, data, DAMPING))()
   return block, state, data, h.random_like(2, params)
 
 
@@ -124,7 +125,7 @@ def test_zero_cross_moment_is_kron_indep(approx):
   layer = block.layer
   indep = h.make_block(type(layer)(**{**layer.__dict__,
                                       "approx": "kron_indep"}))
-  indep_state = h.jit(lambda: h.fit(indep, data, DAMPING))()
+  indep_state = jax.jit(lambda: h.fit(indep, data, DAMPING))()
   np.testing.assert_allclose(indep_state.a, state.a0, rtol=1e-12)
   np.testing.assert_allclose(indep_state.g, state.g0, rtol=1e-12)
   np.testing.assert_allclose(

@@ -18,6 +18,7 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import distributed
 from tests import helpers
+from tests import problems
 
 R = 4  # devices
 
@@ -44,11 +45,9 @@ def _loss(params, batch):
 def _problem():
   if jax.device_count() < R:
     pytest.skip(f"needs {R} devices (tests/conftest.py sets them)")
-  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 8, 8, 3])
+  params, batches, _ = problems.mlp_classifier((6, 8, 8, 8, 3), 16, 3)
   params["scale"] = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(9),
                                                   (8,))
-  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 16, 6, 3)
-             for i in range(3)]
   collection = kl.scan(_loss, params, batches[0])
   return params, batches, collection
 
@@ -137,8 +136,10 @@ def _one_device():
   return {}  # estimation mode -> (directions, state), filled once per mode
 
 
-@pytest.mark.parametrize("mode", ["empirical", "exact"])
-@pytest.mark.parametrize("mapping", ["pmap", "shard_map", "jit"])
+@pytest.mark.parametrize("mapping,mode", [
+    pytest.param(m, e, marks=() if (m, e) == ("shard_map", "empirical")
+                 else pytest.mark.slow)   # The sweep: slow tier.
+    for e in ("empirical", "exact") for m in ("pmap", "shard_map", "jit")])
 def test_data_parallel_matches_one_device(problem, mesh, one_device, mapping,
                                           mode):
   params, batches, c = problem
@@ -231,10 +232,9 @@ def test_kfac_optimizer_data_parallel_matches_one_device(problem, mesh):
 @pytest.mark.parametrize("make", [
     lambda c, axis: kl.kfac(0.1, c, damping=1e-2, inverse_update_period=3,
                             axis_name=axis),
-    lambda c, axis: kl.kfac_optimizer(c, initial_damping=1e-2,
-                                      damping_adaptation_interval=2,
-                                      inverse_update_period=3,
-                                      axis_name=axis)],
+    pytest.param(lambda c, axis: kl.kfac_optimizer(
+        c, initial_damping=1e-2, damping_adaptation_interval=2,
+        inverse_update_period=3, axis_name=axis), marks=pytest.mark.slow)],
     ids=["kfac", "kfac_optimizer"])
 def test_replica_states_stay_bitwise_identical(problem, make):
   """20 steps in ``gradients`` mode (sampled targets differ per replica)."""
@@ -280,6 +280,7 @@ def test_replicas_draw_different_targets(problem):
   np.testing.assert_array_equal(unfolded.g[1], unfolded.g[0])
 
 
+@pytest.mark.slow
 def test_stats_synced_before_refresh(problem):
   """Per-replica EMAs between refreshes; at a refresh their average, which
   equals the factors of averaging at every update (the EMA is linear)."""
@@ -317,11 +318,12 @@ def test_stats_synced_before_refresh(problem):
 
 @pytest.mark.parametrize("mapping,kwargs", [
     ("pmap", {}),
-    ("pmap", {"damping_type": "exact", "stagger_inverse_updates": True,
-              "inverse_update_period": 2}),
-    ("pmap", {"stats_sync": "before_refresh", "exps": (-1, -0.5),
-              "compute_cholesky": True}),
-    ("shard_map", {})])
+    pytest.param("pmap", {"damping_type": "exact",
+                          "stagger_inverse_updates": True,
+                          "inverse_update_period": 2}, marks=pytest.mark.slow),
+    pytest.param("pmap", {"stats_sync": "before_refresh", "exps": (-1, -0.5),
+                          "compute_cholesky": True}, marks=pytest.mark.slow),
+    pytest.param("shard_map", {}, marks=pytest.mark.slow)])
 def test_distributed_inverses_match_local(problem, mesh, mapping, kwargs):
   params, batches, c = problem
   batches = batches[:2]
@@ -365,6 +367,7 @@ def test_plan_spreads_the_refresh_over_devices(problem):
   assert distributed.assign([3.0, 3.0], 1) == (0, 0)
 
 
+@pytest.mark.perf
 def test_distributed_refresh_communicates_only_new_leaves(problem):
   """Factors pass through the refresh: only caches and damping are psummed
   (counted in the jaxpr)."""
@@ -422,10 +425,10 @@ def test_bad_options(problem, kwargs, match):
 
 
 def _example(name):
-  from tests.test_examples import _load_example  # pylint: disable=g-import-not-at-top
-  return _load_example(name)
+  return helpers.load_example(name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,flags", [
     ("pmap_data_parallel", ["--distributed-inverses"]),
     ("shard_map_data_parallel", ["--stats-sync", "before_refresh"])])
@@ -442,6 +445,7 @@ def test_data_parallel_examples_run(name, flags, capsys):
   assert "final loss" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   """jax.distributed on loopback (gloo), 2 processes x 1 CPU device, 5
   steps, against one process with the combined batch."""
@@ -457,6 +461,7 @@ def test_two_processes_match_one_process(tmp_path):
   helpers.assert_trees_close(out["params"], ref["params"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_launcher_kills_workers_on_timeout():
   mp = _example("multiprocess_data_parallel")
   with pytest.raises(mp.LaunchError, match="failed") as info:

@@ -298,6 +298,7 @@ def test_one_sample_backward_keeps_the_models_shapes(num_samples):
                                         jax.random.PRNGKey(0)), rtol=1e-12)
 
 
+@pytest.mark.perf
 def test_value_grad_and_stats_runs_the_forward_pass_once():
   params, batch, loss_fn = _problem("categorical", n=7)
   c = kl.scan(loss_fn, params, batch)

@@ -1,14 +1,17 @@
 """Smoke tests: the examples run end to end with tiny sizes."""
 
-import importlib.util
 import math
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 
+from tests import helpers
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# End-to-end runs of whole examples: the slow tier.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(name="mnist", scope="module")
@@ -26,14 +29,7 @@ def _mnist(tmp_path_factory):
   return ["--data", str(path)]
 
 
-def _load_example(name):
-  """Imports ``examples/<name>.py`` as a module (examples is no package)."""
-  path = ROOT / "examples" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses (flax modules) look it up.
-  spec.loader.exec_module(module)
-  return module
+_load_example = helpers.load_example
 
 
 def test_mnist_mlp_runs_and_returns_finite_losses(mnist, capsys):

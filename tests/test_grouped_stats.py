@@ -23,16 +23,15 @@ from kfac_jax_lite import grouping
 from kfac_jax_lite import keys
 from kfac_jax_lite import statistics
 from tests import helpers
+from tests import problems
 
 # 8 -> 6 (different), three identical 6 -> 6 layers, 6 -> 3 (different).
 SIZES = [8, 6, 6, 6, 6, 3]
 
 
 def _problem(sizes=SIZES, n=5):
-  params = helpers.mlp_params(jax.random.PRNGKey(0), sizes)
-  batch = helpers.classification_batch(jax.random.PRNGKey(1), n, sizes[0],
-                                       sizes[-1])
-  return params, batch, helpers.classifier_loss
+  p = problems.mlp_classifier(sizes, n, first_batch_seed=1)
+  return p.params, p.batch, p.loss
 
 
 def _estimator(sizes=SIZES, **kwargs):
@@ -177,6 +176,7 @@ def test_transform_step_matches_ungrouped_reference():
                                _per_layer_product(est, ref, grads), 1e-4)
 
 
+@pytest.mark.perf
 def test_statistics_dots_do_not_grow_with_same_shaped_layers():
   counts = []
   for depth in (2, 6):
@@ -191,6 +191,7 @@ def test_statistics_dots_do_not_grow_with_same_shaped_layers():
   assert counts[0] == counts[1] == 6, counts
 
 
+@pytest.mark.perf
 def test_ema_checks_do_not_grow_with_same_shaped_layers():
   counts = []
   for depth in (2, 6):
@@ -233,6 +234,11 @@ def test_transform_state_stays_stacked():
                                   serialization.to_bytes(state))
   assert jax.tree.structure(back) == jax.tree.structure(state)
 
+
+@pytest.mark.perf
+def test_the_step_splits_nothing_per_layer():
+  """The optax step keeps same-shaped blocks stacked: its per-layer slices
+  do not grow with the number of same-shaped layers."""
   counts = []
   for depth in (2, 6):
     sizes = [8] + [6] * depth + [3]
@@ -279,7 +285,15 @@ def test_finite_marker_stands_for_the_statistics():
   # Stats without a marker are checked leaf by leaf.
   bare = bad_stats.stacked
   assert not bool(transform.inputs_finite(grads, bare))
-  # The check reads the marker, not every layer's statistics.
+
+
+@pytest.mark.perf
+def test_the_finiteness_check_reads_the_marker():
+  """The check reads the marker, not every layer's statistics."""
+  est, params, batch = _estimator()
+  stats = est.compute_stats(params, batch, jax.random.PRNGKey(0))
+  grads = jax.grad(helpers.classifier_loss)(params, batch)
+  from kfac_jax_lite import transform  # pylint: disable=import-outside-toplevel
   jaxpr = jax.make_jaxpr(transform.inputs_finite)(grads, stats)
   assert helpers.count_primitive(jaxpr.jaxpr, "reduce_sum") <= len(
       jax.tree.leaves(grads)), jaxpr
@@ -300,11 +314,17 @@ def test_split_at_runtime_indices_equals_static_split():
   fn = lambda t: grouping.unstack(t, 4, runtime_index=True)  # noqa: E731
   for g, w in zip(jax.jit(fn)(tree), static):
     helpers.assert_trees_close(g, w, 0.0)
+
+
+@pytest.mark.perf
+def test_split_at_runtime_indices_is_one_conditional():
+  """Each index is an output of one conditional, not a literal."""
+  tree = {"a": jnp.arange(24.0).reshape(4, 3, 2), "b": jnp.arange(4.0)}
+  fn = lambda t: grouping.unstack(t, 4, runtime_index=True)  # noqa: E731
   jaxpr = jax.make_jaxpr(fn)(tree).jaxpr
   assert helpers.count_primitive(jaxpr, "dynamic_slice") == 8
   # One static slice: the element read by the conditional's predicate.
   assert helpers.count_primitive(jaxpr, "slice") == 1
-  # Each index is an output of one conditional, not a literal.
   assert helpers.count_primitive(jaxpr, "cond") == 1
 
 

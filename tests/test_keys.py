@@ -10,6 +10,7 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import keys
 from tests import helpers
+from tests import problems
 
 
 def test_fmix32_is_a_bijection_on_a_sample():
@@ -150,11 +151,12 @@ def test_loss_samples_follow_the_model_distribution(kind):
     np.testing.assert_allclose(y.mean(0), jax.nn.sigmoid(z[0]), atol=0.015)
 
 
+@pytest.mark.perf
 def test_a_kfac_step_runs_no_threefry():
   """The sampled Fisher's keys (step, loss, sample) and draws are hashed:
   a step of kfac() with value_grad_and_stats runs no threefry (split,
   fold_in) and no jax.random bits, and two keys draw different targets."""
-  params, (batch,), collection = helpers.small_classifier(1)
+  params, (batch,), collection = problems.small_classifier(1)
   tx = kl.kfac(1e-2, collection, damping=1e-2)
   vgs = kl.value_grad_and_stats(helpers.classifier_loss, collection)
 

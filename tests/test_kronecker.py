@@ -9,7 +9,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from tests import helpers
-from tests import test_scanner
+from tests import problems
 
 
 @pytest.fixture(name="x64", autouse=True)
@@ -19,10 +19,9 @@ def _x64():
 
 
 def _mlp_problem():
-  params = helpers.mlp_params(jax.random.PRNGKey(0), [5, 4, 3])
-  params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
-  x, y = helpers.classification_batch(jax.random.PRNGKey(1), 7, 5, 3)
-  return params, (x.astype(jnp.float64), y)
+  p = problems.mlp_classifier((5, 4, 3), 7, first_batch_seed=1,
+                              dtype=jnp.float64)
+  return p.params, p.batch
 
 
 def _explicit_mlp_factors(params, batch):
@@ -128,10 +127,10 @@ def test_non_finite_statistics_leave_factors_untouched():
 
 
 def test_rnn_factors_through_scan_equal_explicit():
-  params, batch = test_scanner.rnn_setup(t=4, b=3)
+  params, batch = problems.rnn_setup(t=4, b=3)
   params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
   batch = (batch[0].astype(jnp.float64), batch[1])
-  c = kl.scan(test_scanner.rnn_loss, params, batch)
+  c = kl.scan(problems.rnn_loss, params, batch)
   est = kl.FisherEstimator(c, estimation_mode="empirical")
   state = est.update_curvature(est.init(params), params, batch)
   xs, y = batch
@@ -169,11 +168,11 @@ def test_rnn_factors_through_scan_equal_explicit():
 
 
 def test_rnn_tag_in_cond_and_scan_gradient_matches():
-  params, batch = test_scanner.rnn_setup(t=3, b=2)
-  c = kl.scan(test_scanner.rnn_loss, params, batch)
-  fn = kl.value_grad_and_stats(test_scanner.rnn_loss, c)
+  params, batch = problems.rnn_setup(t=3, b=2)
+  c = kl.scan(problems.rnn_loss, params, batch)
+  fn = kl.value_grad_and_stats(problems.rnn_loss, c)
   loss, grads, _ = jax.jit(fn)(params, batch, jax.random.PRNGKey(0))
-  want_loss, want = jax.value_and_grad(test_scanner.rnn_loss)(params, batch)
+  want_loss, want = jax.value_and_grad(problems.rnn_loss)(params, batch)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-12)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)

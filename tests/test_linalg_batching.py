@@ -46,6 +46,7 @@ def test_grouped_refresh_uses_unbatched_lapack_and_matches(damping_type):
                                rtol=1e-5)
 
 
+@pytest.mark.perf
 def test_a_groups_inverses_are_one_loop_per_factor_shape():
   """The Cholesky factorisation and the triangular solve of a group's
   inverses run in one ``lax.map`` (:func:`linalg.cholesky_inverse`): one

@@ -12,6 +12,7 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import optimizer as opt_lib
 from tests import helpers
+from tests import problems
 
 
 def _least_squares(n=50):
@@ -66,11 +67,8 @@ def test_lm_rule(rho, want):
 
 
 def _mlp_problem():
-  params = helpers.mlp_params(jax.random.PRNGKey(0), [4, 5, 3])
-  batches = [helpers.classification_batch(jax.random.PRNGKey(i), 8, 4, 3)
-             for i in range(12)]
-  return params, batches, kl.scan(helpers.classifier_loss, params,
-                                  batches[0])
+  p = problems.mlp_classifier((4, 5, 3), 8, 12)
+  return p.params, p.batches, p.scan()
 
 
 def test_quadratic_model_matches_explicit_solve_with_dense_fisher():
@@ -182,6 +180,7 @@ def test_reduction_ratio_is_the_loss_at_the_applied_update():
   assert float(state.rho) == float(before.rho)
 
 
+@pytest.mark.perf
 def test_damping_rule_reads_the_caller_s_new_parameters():
   """θ + u is formed outside the damping rule's conditional, as the
   caller's ``apply_updates`` forms it (one sum XLA shares), so no branch

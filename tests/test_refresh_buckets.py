@@ -105,6 +105,7 @@ def _lapack_calls(text):
       r"custom_call @(lapack_\w+)\(.*?: \(tensor<(\d+)x\d+xf32>", text)))
 
 
+@pytest.mark.perf
 def test_refresh_program_has_one_factorisation_size_per_bucket():
   est, state = _estimator_and_state(exps=(-1,))
   factor_sizes = {f.shape[0] for s in state.blocks for f in (s.a, s.g)}
@@ -121,6 +122,7 @@ def test_refresh_program_has_one_factorisation_size_per_bucket():
   assert not re.search(r"num_batch_dims = \"[1-9]", text)
 
 
+@pytest.mark.perf
 def test_the_transforms_refresh_through_the_buckets_too():
   """``scale_by_kfac`` keeps its state grouped (Curvature.step); layers
   without a same-shaped twin still share padded buckets there."""
@@ -137,6 +139,7 @@ def test_the_transforms_refresh_through_the_buckets_too():
   assert chol == [3, 9, 11], chol
 
 
+@pytest.mark.perf
 def test_split_dampings_are_one_vector_computation():
   """The pi-adjusted dampings of all blocks come from one vector
   computation (its sqrt count does not grow with the layers), and every
@@ -157,6 +160,7 @@ def test_split_dampings_are_one_vector_computation():
   assert counts[0] == counts[1] == 2, counts
 
 
+@pytest.mark.perf
 def test_split_dampings_add_no_per_block_kernels():
   """Each member's split damping is computed elementwise from the stacked
   traces, gathered at static indices, and XLA fuses that into the

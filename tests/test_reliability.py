@@ -16,17 +16,16 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import collection as collection_lib
-from tests import blocks_helpers
 from tests import helpers
+from tests import problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(name="problem", scope="module")
 def _problem():
-  params = helpers.mlp_params(jax.random.PRNGKey(0), [6, 8, 3])
-  batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, 6, 3)
-  return params, batch, kl.scan(helpers.classifier_loss, params, batch)
+  p = problems.tiny_classifier()
+  return p.params, p.batch, p.scan()
 
 
 def _tag_loss(tag):
@@ -305,6 +304,7 @@ _APPROXES = ["kron", "kron_in_diag", "kron_out_diag", "kron_both_diag",
              "diagonal", "full"]
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=12, deadline=None,
                      suppress_health_check=[
                          hypothesis.HealthCheck.too_slow])
@@ -328,7 +328,7 @@ def test_block_identities_property(d_in, d_out, bias, approx, dtype, seed):
                               param_grads=(), batch_size=12)
   v = tuple(jax.random.normal(k[2], s).astype(dtype) for s in shapes)
 
-  @blocks_helpers.jit  # One compile per example instead of one per op.
+  @jax.jit  # One compile per example instead of one per op.
   def products():
     state = block.update_curvature(block.init(), block.compute_stats(data),
                                    0.9)
@@ -360,6 +360,7 @@ def _run_worker(*args):
                  timeout=300, capture_output=True)
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bitwise_identical(tmp_path):
   whole, parts = tmp_path / "whole", tmp_path / "parts"
   whole.mkdir()

@@ -9,6 +9,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from tests import helpers
+from tests import problems
 
 
 def _summary(collection):
@@ -99,33 +100,8 @@ def test_nested_jit_and_checkpoint():
       ("fully_connected", 1, "tag")] * 2
 
 
-def rnn_loss(params, batch):
-  """A tanh RNN over T steps, then a dense readout of the last state."""
-  xs, y = batch  # xs: [T, B, d]
-
-  def cell(h, x):
-    z = jnp.concatenate([h, x], axis=-1)
-    s = kl.register_dense(z @ params["cell"]["w"] + params["cell"]["b"], z,
-                          params["cell"]["w"], params["cell"]["b"])
-    return jnp.tanh(s), None
-
-  h0 = jnp.zeros((xs.shape[1], params["cell"]["w"].shape[1]))
-  h, _ = lax.scan(cell, h0, xs)
-  o = params["out"]
-  logits = kl.register_dense(h @ o["w"] + o["b"], h, o["w"], o["b"])
-  kl.register_categorical_predictive_distribution(logits, y)
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
-
-
-def rnn_setup(t=5, b=4, d=3, h=6, classes=2):
-  k = jax.random.split(jax.random.PRNGKey(0), 4)
-  params = {"cell": {"w": 0.5 * jax.random.normal(k[0], (h + d, h)),
-                     "b": jnp.zeros(h)},
-            "out": {"w": jax.random.normal(k[1], (h, classes)),
-                    "b": jnp.zeros(classes)}}
-  batch = (jax.random.normal(k[2], (t, b, d)),
-           jax.random.randint(k[3], (b,), 0, classes))
-  return params, batch
+rnn_loss = problems.rnn_loss
+rnn_setup = problems.rnn_setup
 
 
 def test_rnn_cell_in_scan_is_one_multi_use_layer():

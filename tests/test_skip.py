@@ -18,11 +18,12 @@ import kfac_jax_lite as kl
 from kfac_jax_lite import _xla_cpu
 from kfac_jax_lite import trees
 from tests import helpers
+from tests import problems
 
 
 @pytest.fixture(name="problem", scope="module")
 def _problem():
-  params, batches, collection = helpers.small_classifier(3)
+  params, batches, collection = problems.small_classifier(3)
   vgs = kl.value_grad_and_stats(helpers.classifier_loss, collection)
   return params, batches, collection, vgs
 
@@ -87,6 +88,7 @@ def _conds(jaxpr, factor_shapes):
   return out
 
 
+@pytest.mark.perf
 @pytest.mark.parametrize("make", ["kfac", "kfac_optimizer"])
 def test_no_conditional_around_the_curvature_state(problem, make):
   """Only the inverse refresh's ``lax.cond`` takes factor-sized operands,
@@ -138,6 +140,7 @@ def _update_and_velocity(problem, make):
           lambda s: s.velocity)
 
 
+@pytest.mark.perf
 @pytest.mark.parametrize("make", ["kfac", "kfac_optimizer"])
 def test_velocity_is_updated_in_place(problem, make):
   """With params and state donated, the compiled step writes the new
@@ -176,6 +179,7 @@ def _ancestors(jaxpr, var):
   return seen
 
 
+@pytest.mark.perf
 @pytest.mark.parametrize("make", ["kfac", "kfac_optimizer"])
 def test_update_is_read_from_the_new_velocity(problem, make):
   """Each returned update leaf is computed from the state's new velocity
@@ -230,6 +234,7 @@ def test_kfac_optimizer_grads_none_is_one_forward_pass(problem):
                 "tanh") == 2
 
 
+@pytest.mark.perf
 def test_kfac_reads_each_gradient_leaf_once(problem):
   """``kfac`` checks the gradients as its product reads them (the ``[W;
   b]`` matrices, ``FisherEstimator.product_inputs``), so each gradient

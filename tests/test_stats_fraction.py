@@ -7,15 +7,14 @@ import pytest
 
 import kfac_jax_lite as kl
 from tests import helpers
+from tests import problems
 
 SIZES = [5, 6, 3]
 
 
 def _problem(n=8, seed=0):
-  params = helpers.mlp_params(jax.random.PRNGKey(seed), SIZES)
-  batch = helpers.classification_batch(jax.random.PRNGKey(seed + 1), n,
-                                       SIZES[0], SIZES[-1])
-  return params, batch
+  p = problems.mlp_classifier(SIZES, n, seed=seed, first_batch_seed=seed + 1)
+  return p.params, p.batch
 
 
 def _stats(collection, params, batch, fraction, mode="exact", **kw):
@@ -26,7 +25,9 @@ def _stats(collection, params, batch, fraction, mode="exact", **kw):
   return vgs(params, batch, jax.random.PRNGKey(3))
 
 
-@pytest.mark.parametrize("fraction,rows", [(0.5, 4), (0.3, 3), (1 / 8, 1)])
+@pytest.mark.parametrize("fraction,rows", [
+    pytest.param(0.5, 4, marks=pytest.mark.slow),
+    pytest.param(0.3, 3, marks=pytest.mark.slow), (1 / 8, 1)])
 def test_row_statistics_are_those_of_the_first_examples(fraction, rows):
   params, batch = _problem()
   collection = kl.scan(helpers.classifier_loss, params, batch)
@@ -246,6 +247,7 @@ def test_uncut_batch_warns_and_keeps_the_whole_batch():
     assert est.linearize_head(params, x, lin) is lin
 
 
+@pytest.mark.slow
 def test_kfac_optimizer_uses_a_quarter_of_large_batches_by_default():
   params, batch = _problem(n=256)
   collection = kl.scan(helpers.classifier_loss, params, batch)

@@ -8,11 +8,12 @@ import pytest
 
 import kfac_jax_lite as kl
 from tests import helpers
+from tests import problems
 
 
 @pytest.fixture(name="problem", scope="module")
 def _problem():
-  return helpers.small_classifier(7)
+  return problems.small_classifier(7)
 
 
 def _structure(state):
