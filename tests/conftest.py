@@ -14,8 +14,12 @@ abort on it, and then the suite runs with the defaults instead.
 """
 
 import os
+import pathlib
 import subprocess
 import sys
+
+import numpy as np
+import pytest
 
 FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false "
                       "--xla_llvm_disable_expensive_passes=true")
@@ -38,3 +42,20 @@ if (not os.environ.get("KFAC_TEST_DEFAULT_XLA")
   os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_FLAGS
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(name="mnist", scope="session")
+def _mnist(tmp_path_factory):
+  """``--data`` for a 256/128-image slice of the bundled MNIST file.
+
+  Same keys and dtypes; the examples then skip decoding and converting all
+  70,000 images each.
+  """
+  with np.load(ROOT / "examples" / "data" / "mnist.npz") as d:
+    small = {k: d[k][:256 if k.endswith("train") else 128]
+             for k in ("x_train", "y_train", "x_test", "y_test")}
+  path = tmp_path_factory.mktemp("data") / "mnist_small.npz"
+  np.savez(path, **small)
+  return ["--data", str(path)]

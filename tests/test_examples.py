@@ -1,32 +1,13 @@
 """Smoke tests: the examples run end to end with tiny sizes."""
 
 import math
-import pathlib
 
-import numpy as np
 import pytest
 
 from tests import helpers
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 # End-to-end runs of whole examples: the slow tier.
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(name="mnist", scope="module")
-def _mnist(tmp_path_factory):
-  """``--data`` for a 256/128-image slice of the bundled MNIST file.
-
-  Same keys and dtypes; the examples then skip decoding and converting all
-  70,000 images each.
-  """
-  with np.load(ROOT / "examples" / "data" / "mnist.npz") as d:
-    small = {k: d[k][:256 if k.endswith("train") else 128]
-             for k in ("x_train", "y_train", "x_test", "y_test")}
-  path = tmp_path_factory.mktemp("data") / "mnist_small.npz"
-  np.savez(path, **small)
-  return ["--data", str(path)]
 
 
 _load_example = helpers.load_example

@@ -13,7 +13,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import kfac_jax_lite as kl

@@ -5,12 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from tests.test_examples import _load_example
-from tests.test_examples import _mnist  # noqa: F401  (fixture "mnist")
+from tests import helpers
+
+# Runs the example end to end (the examples' tier).
+pytestmark = pytest.mark.slow
 
 
 def test_influence_example_runs(mnist, tmp_path, capsys):
-  influence = _load_example("influence")
+  influence = helpers.load_example("influence")
   png = tmp_path / "influence.png"
   plot = str(png) if _has_matplotlib() else ""
   out = influence.main([

@@ -2,7 +2,6 @@
 
 import flax.linen as nn
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
 import pytest

@@ -337,7 +337,6 @@ def test_replicas_skip_together(problem):
 def test_all_finite_checks_every_float_leaf(where):
   """Every float leaf kind, NaN and ±inf; finite values near the float32
   maximum (whose plain sum overflows) are finite."""
-  from kfac_jax_lite import linalg
   scale = 3e38 / 40 if where == "huge" else 1.0
   small = [jnp.ones((3, 4)) * i * scale for i in range(40)]  # concatenated
   large = jnp.ones((_xla_cpu.FINITE_ALONE + 5,)) * scale        # checked alone
