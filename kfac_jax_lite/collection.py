@@ -16,7 +16,6 @@ import jax
 
 from kfac_jax_lite import kinds
 from kfac_jax_lite.layer import Layer  # Also kfac_jax_lite.collection.Layer.
-from kfac_jax_lite.losses import LossSpec
 
 # Allowed approximations per layer kind and multi-use kind ("conv_multi"),
 # the default first; derived from the registry (kfac_jax_lite.kinds).
