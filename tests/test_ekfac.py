@@ -20,6 +20,7 @@ from kfac_jax_lite.blocks import ekfac
 from tests import block_cases as cases
 from tests import blocks_helpers as h
 from tests import helpers
+from tests import problems
 from tests.blocks_helpers import x64  # noqa: F401  (fixture)
 
 DAMPING = 0.1
@@ -300,7 +301,7 @@ def test_multi_use_through_scan_is_exact_per_example_summed():
 
 
 def test_kfac_steps_with_ekfac_reduce_the_loss():
-  params, batches, _ = helpers.small_classifier(1)
+  params, batches, _ = problems.small_classifier(1)
   batch = batches[0]
   coll = kl.scan(helpers.classifier_loss, params, batch,
                  approximations={"fully_connected": "ekfac"})
@@ -328,7 +329,7 @@ def test_data_parallel_scalings_use_the_global_batch(distributed_inverses):
   r = 2
   if jax.device_count() < r:
     pytest.skip("needs 2 devices (tests/conftest.py sets them)")
-  params, batches, _ = helpers.small_classifier(1)
+  params, batches, _ = problems.small_classifier(1)
   batch = batches[0]
   coll = kl.scan(helpers.classifier_loss, params, batch,
                  approximations={"fully_connected": "ekfac"})

@@ -19,6 +19,7 @@ from kfac_jax_lite.blocks import base
 from tests import block_cases as cases
 from tests import blocks_helpers as h
 from tests import helpers
+from tests import problems
 from tests.blocks_helpers import x64  # noqa: F401  (fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -232,7 +233,7 @@ def test_no_block_overrides_a_shared_method():
 def test_estimator_and_kfac_use_a_user_block_per_call():
   """``block_factories=`` puts a user block on one layer, through the
   estimator's verbs and through ``kfac(estimator=...)``."""
-  params, batches, col = helpers.small_classifier(2)
+  params, batches, col = problems.small_classifier(2)
   first = col.layers[0].param_paths[0]
   est = kl.FisherEstimator(col, estimation_mode="empirical",
                            block_factories={first: _user})
