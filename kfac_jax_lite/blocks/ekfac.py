@@ -222,11 +222,6 @@ class EKFACBlock(base.Shorthands, base.FieldFactors):
   def _spectrum(self, state):
     return jnp.maximum(state.s, 0.0) + state.damping
 
-  @staticmethod
-  def _rotate(m, ua, ug, into: bool):
-    """``U_Aᵀ M U_G`` (into the basis) or ``U_A M U_Gᵀ``."""
-    return ua.T @ m @ ug if into else ua @ m @ ug.T
-
   def product_input(self, v):
     return self.layout.to_mat(v)
 
@@ -239,22 +234,18 @@ class EKFACBlock(base.Shorthands, base.FieldFactors):
     m = self.product_input(v) if isinstance(v, tuple) else v
     ua, ug = state.cache["a_eigvec"], state.cache["g_eigvec"]
     spec = jnp.power(self._spectrum(state), exp)
-    return self._rotate(self._rotate(m, ua, ug, True) * spec, ua, ug, False)
+    rotated = kronecker.rotate(m, ua, ug, True)
+    return kronecker.rotate(rotated * spec, ua, ug, False)
 
   def multiply_matpower(self, state, v, exp):
     return self.finish_product(self.multiply_matpower_raw(state, v, exp), v)
 
   def _cholesky_product(self, state, v, transpose, inverse):
-    # C = U diag(r), r = √(s + λ): C v = U (r ⊙ V), Cᵀ v = r ⊙ (Uᵀ V).
-    m = self.layout.to_mat(v)
+    # C = U diag(√(s + λ)).
     ua, ug = state.cache["a_eigvec"], state.cache["g_eigvec"]
-    r = jnp.sqrt(self._spectrum(state))
-    r = 1.0 / r if inverse else r
-    if transpose != inverse:
-      out = r * self._rotate(m, ua, ug, True)
-    else:
-      out = self._rotate(r * m, ua, ug, False)
-    return self.layout.from_mat(out, v)
+    return self.layout.from_mat(kronecker.eigenbasis_cholesky(
+        self.layout.to_mat(v), self._spectrum(state), ua, ug, transpose,
+        inverse), v)
 
   def multiply_cholesky(self, state, v, transpose=False):
     """``C v`` (or ``Cᵀ v``), ``C = U diag(√(s + λ))``."""
