@@ -27,7 +27,7 @@ from kfac_jax_lite import distributed
 from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import keys as keys_lib
 from kfac_jax_lite import linalg
-from kfac_jax_lite import statistics
+from kfac_jax_lite import stats as stats_lib
 from kfac_jax_lite import trees
 
 ScalarOrSchedule = Union[float, optax.Schedule]
@@ -66,7 +66,7 @@ def dynamic(*values) -> tuple:
 def _finite_marker(stats):
   """The statistics' one-scalar finiteness marker, or None for statistics
   that carry none (then every leaf is checked)."""
-  return stats.finite_marker if isinstance(stats, statistics.Stats) else None
+  return stats.finite_marker if isinstance(stats, stats_lib.Stats) else None
 
 
 def inputs_finite(updates, stats=None, axis_name=None) -> jnp.ndarray:

@@ -23,6 +23,7 @@ from kfac_jax_lite import grouping
 from kfac_jax_lite import linalg
 from kfac_jax_lite import refresh
 from kfac_jax_lite import statistics
+from kfac_jax_lite import stats as stats_lib
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.grouping import EstimatorState
@@ -30,8 +31,8 @@ from kfac_jax_lite.grouping import ProductInputs
 from kfac_jax_lite.statistics import canonical_mode
 from kfac_jax_lite.statistics import Linearized
 from kfac_jax_lite.statistics import MODES  # noqa: F401  (re-export)
-from kfac_jax_lite.statistics import Stats
 from kfac_jax_lite.statistics import stats_rows  # noqa: F401  (re-export)
+from kfac_jax_lite.stats import Stats
 
 
 
@@ -245,7 +246,7 @@ class FisherEstimator:
         self.compute_params_stats, self.axis_name,
         1.0 if lin.head_only else self.stats_fraction,
         self.stats_min_examples)
-    return statistics.make_stats(
+    return stats_lib.make_stats(
         p, lin.params, self.blocks, self.groups,
         params_stats=self.compute_params_stats, axis_name=self.axis_name,
         stats_sync=self.stats_sync)
@@ -271,7 +272,7 @@ class FisherEstimator:
       if rng is None:
         rng = jax.random.PRNGKey(0)
       stats = self.compute_stats(params, batch, rng)
-    statistics.check_reduction(stats, self.axis_name, self.stats_sync)
+    stats_lib.check_reduction(stats, self.axis_name, self.stats_sync)
     per_group = self._stacked(stats, "stats")
     decay = self.cov_ema_decay if ema_decay is None else ema_decay
     ema = lambda b, s, x: b.update_curvature(s, x, decay)  # noqa: E731

@@ -201,3 +201,23 @@ def as_matrix(m):
   """A diagonal stored as a vector becomes a matrix; matrices pass."""
   return jnp.diag(m) if m.ndim == 1 else m
 
+
+def rotate(v, ua, ug, into: bool):
+  """``Uaᵀ V Ug`` (``into`` the eigenbasis) or ``Ua V Ugᵀ``; a ``None``
+  basis is the identity."""
+  if ua is not None:
+    v = (ua.T @ v) if into else (ua @ v)
+  if ug is not None:
+    v = (v @ ug) if into else (v @ ug.T)
+  return v
+
+
+def eigenbasis_cholesky(m, spectrum, ua, ug, transpose: bool, inverse: bool):
+  """``C v`` for ``C = (Ua ⊗ Ug) diag(r)``, ``r = √spectrum``, on the matrix
+  form ``m`` of ``v``: ``C v = U (r ⊙ V)``, ``Cᵀ v = r ⊙ (Uᵀ V)``,
+  ``C⁻¹ v = r⁻¹ ⊙ (Uᵀ V)``, ``C⁻ᵀ v = U (r⁻¹ ⊙ V)``."""
+  r = jnp.sqrt(spectrum)
+  r = 1.0 / r if inverse else r
+  if transpose != inverse:
+    return r * rotate(m, ua, ug, True)
+  return rotate(r * m, ua, ug, False)

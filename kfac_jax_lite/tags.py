@@ -27,6 +27,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from kfac_jax_lite import kinds
+from kfac_jax_lite import tag_checks
 
 # --------------------------------------------------------------------------
 # Primitives.
@@ -126,79 +127,6 @@ def _layer_tag(kind: str, y, inputs: Sequence[Any], params: Sequence[Any],
 
 
 # --------------------------------------------------------------------------
-# Shape validation (trace time: shapes are static).
-# --------------------------------------------------------------------------
-
-
-def _shape_error(fn, what, got, want, fix):
-  return ValueError(f"{fn}: {what} has shape {tuple(got)}, expected "
-                    f"{tuple(want)}. {fix}")
-
-
-def _check_dense_shapes(y, x, w, b):
-  fn = "register_dense"
-  if w.ndim != 2:
-    raise ValueError(
-        f"{fn}: w has shape {w.shape}; a dense kernel is [d_in, d_out]. "
-        "Reshape it, or use register_generic for other parameter shapes.")
-  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-    raise _shape_error(fn, "x", x.shape, (..., w.shape[0]),
-                       "x's last axis must match w's first (x @ w).")
-  want = tuple(x.shape[:-1]) + (w.shape[1],)
-  if tuple(y.shape) != want:
-    raise _shape_error(fn, "y", y.shape, want,
-                       "y must be x @ w (+ b) for the x and w given.")
-  if b is not None and b.size != w.shape[1]:
-    raise _shape_error(fn, "b", b.shape, (w.shape[1],),
-                       "The bias has one entry per output feature.")
-
-
-def _check_conv_shapes(y, x, w, b, **conv_kwargs):
-  fn = "register_conv"
-  kw = dict(conv_kwargs)
-  kw["lhs_dilation"] = kw["lhs_dilation"] or None
-  kw["rhs_dilation"] = kw["rhs_dilation"] or None
-  try:
-    out = jax.eval_shape(lambda x, w: jax.lax.conv_general_dilated(
-        x, w, **kw), jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                         jax.ShapeDtypeStruct(w.shape, jnp.float32))
-  except (TypeError, ValueError) as e:
-    raise ValueError(
-        f"{fn}: x {x.shape} and w {w.shape} are not a valid convolution "
-        f"with {conv_kwargs}: {e}") from e
-  if tuple(y.shape) != tuple(out.shape):
-    raise _shape_error(
-        fn, "y", y.shape, out.shape,
-        "y must be lax.conv_general_dilated(x, w, ...) (+ b) with the "
-        "window_strides, padding, dilations and dimension_numbers given; "
-        f"check them ({conv_kwargs}).")
-  if b is not None and b.size not in (y.shape[-1], y.shape[1]):
-    raise ValueError(
-        f"{fn}: b has {b.size} entries; expected one per output channel.")
-
-
-def _check_embedding(y, ids, table):
-  fn = "register_embedding"
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise TypeError(
-        f"{fn}: ids have dtype {ids.dtype}; embedding ids must be integers.")
-  if table.ndim != 2:
-    raise ValueError(
-        f"{fn}: table has shape {table.shape}; expected [vocab, d].")
-  want = tuple(ids.shape) + (table.shape[1],)
-  if tuple(y.shape) != want:
-    raise _shape_error(fn, "y", y.shape, want, "y must be table[ids].")
-  if not isinstance(ids, jax.core.Tracer) and ids.size:
-    # NumPy, not jnp: inside a trace jnp ops on constants are staged too.
-    concrete = np.asarray(ids)
-    lo, hi = int(concrete.min()), int(concrete.max())
-    if lo < 0 or hi >= table.shape[0]:
-      raise ValueError(
-          f"{fn}: ids range over [{lo}, {hi}], outside the vocabulary "
-          f"[0, {table.shape[0]}). Clip or remap the ids.")
-
-
-# --------------------------------------------------------------------------
 # Layer registration functions.
 # --------------------------------------------------------------------------
 
@@ -230,7 +158,7 @@ def register_dense(y, x, w, b=None, *, approx: Optional[str] = None):
     >>> y = register_dense(x @ w + b, x, w, b)
   """
   params = (w,) if b is None else (w, b)
-  _check_dense_shapes(y, x, w, b)
+  tag_checks.check_dense_shapes(y, x, w, b)
   return _layer_tag("fully_connected", y, (x,), params, "register_dense",
                     approx=approx)
 
@@ -261,11 +189,11 @@ def register_conv(y, x, w, b=None, *, window_strides, padding,
     approx: ``kron`` (default), ``diagonal`` or ``kron_sua``.
   """
   params = (w,) if b is None else (w, b)
-  _check_conv_shapes(y, x, w, b, window_strides=window_strides,
-                     padding=padding, rhs_dilation=rhs_dilation,
-                     lhs_dilation=lhs_dilation,
-                     dimension_numbers=dimension_numbers,
-                     feature_group_count=feature_group_count)
+  tag_checks.check_conv_shapes(
+      y, x, w, b, window_strides=window_strides, padding=padding,
+      rhs_dilation=rhs_dilation, lhs_dilation=lhs_dilation,
+      dimension_numbers=dimension_numbers,
+      feature_group_count=feature_group_count)
   return _layer_tag(
       "conv", y, (x,), params, "register_conv", **conv_meta_kwargs(
           window_strides=window_strides, padding=padding,
@@ -383,7 +311,7 @@ def register_embedding(y, ids, table, *, approx: Optional[str] = None):
     table: the ``[vocab, d]`` table.
     approx: ``kron`` (default).
   """
-  _check_embedding(y, ids, table)
+  tag_checks.check_embedding(y, ids, table)
   return _layer_tag("embedding", y, (ids,), (table,), "register_embedding",
                     approx=approx)
 

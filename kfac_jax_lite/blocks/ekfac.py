@@ -234,8 +234,8 @@ class EKFACBlock(base.Shorthands, base.FieldFactors):
     m = self.product_input(v) if isinstance(v, tuple) else v
     ua, ug = state.cache["a_eigvec"], state.cache["g_eigvec"]
     spec = jnp.power(self._spectrum(state), exp)
-    rotated = kronecker.rotate(m, ua, ug, True)
-    return kronecker.rotate(rotated * spec, ua, ug, False)
+    rotated = linalg.rotate(m, ua, ug, True)
+    return linalg.rotate(rotated * spec, ua, ug, False)
 
   def multiply_matpower(self, state, v, exp):
     return self.finish_product(self.multiply_matpower_raw(state, v, exp), v)
@@ -243,7 +243,7 @@ class EKFACBlock(base.Shorthands, base.FieldFactors):
   def _cholesky_product(self, state, v, transpose, inverse):
     # C = U diag(√(s + λ)).
     ua, ug = state.cache["a_eigvec"], state.cache["g_eigvec"]
-    return self.layout.from_mat(kronecker.eigenbasis_cholesky(
+    return self.layout.from_mat(linalg.eigenbasis_cholesky(
         self.layout.to_mat(v), self._spectrum(state), ua, ug, transpose,
         inverse), v)
 

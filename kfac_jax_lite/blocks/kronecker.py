@@ -239,27 +239,6 @@ def _add_diag(f, d):
   return f + d * jnp.eye(f.shape[0], dtype=f.dtype)
 
 
-def rotate(v, ua, ug, into: bool):
-  """``Uaᵀ V Ug`` (``into`` the eigenbasis) or ``Ua V Ugᵀ``; a ``None``
-  basis is the identity."""
-  if ua is not None:
-    v = (ua.T @ v) if into else (ua @ v)
-  if ug is not None:
-    v = (v @ ug) if into else (v @ ug.T)
-  return v
-
-
-def eigenbasis_cholesky(m, spectrum, ua, ug, transpose: bool, inverse: bool):
-  """``C v`` for ``C = (Ua ⊗ Ug) diag(r)``, ``r = √spectrum``, on the matrix
-  form ``m`` of ``v``: ``C v = U (r ⊙ V)``, ``Cᵀ v = r ⊙ (Uᵀ V)``,
-  ``C⁻¹ v = r⁻¹ ⊙ (Uᵀ V)``, ``C⁻ᵀ v = U (r⁻¹ ⊙ V)``."""
-  r = jnp.sqrt(spectrum)
-  r = 1.0 / r if inverse else r
-  if transpose != inverse:
-    return r * rotate(m, ua, ug, True)
-  return rotate(r * m, ua, ug, False)
-
-
 @dataclasses.dataclass(frozen=True)
 class KroneckerBlock(base.Shorthands, base.FieldFactors):
   """``c · A ⊗ G`` with optional diagonal factors. See the module docstring.
@@ -450,8 +429,8 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
             _add_diag(state.g, d["g"]))
     elif self.config.damping_type == "exact":
       spec, ua, ug = self._exact_spectrum(state)
-      out = rotate(rotate(m, ua, ug, True) * jnp.power(spec, exp),
-                   ua, ug, False)
+      rotated = linalg.rotate(m, ua, ug, True)
+      out = linalg.rotate(rotated * jnp.power(spec, exp), ua, ug, False)
     else:
       out = jnp.power(c, exp) * linalg.matmul_right(
           linalg.matmul_left(state.cache[f"a^{exp:g}"], m),
@@ -463,7 +442,8 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
     if self.config.damping_type == "exact":
       spec, ua, ug = self._exact_spectrum(state)
       return self.layout.from_mat(
-          eigenbasis_cholesky(m, spec, ua, ug, transpose, inverse), v)
+          linalg.eigenbasis_cholesky(m, spec, ua, ug, transpose, inverse),
+          v)
     suffix = "_chol_inv" if inverse else "_chol"
     la, lg = state.cache["a" + suffix], state.cache["g" + suffix]
     if transpose:
