@@ -316,10 +316,8 @@ def test_stats_synced_before_refresh(problem):
     np.testing.assert_array_equal(f_b[1]["diag"][1], f_b[1]["diag"][0])
 
 
-# Slow tier; tests/test_ekfac.py checks distributed inverses under pmap in
-# the default tier.
 @pytest.mark.parametrize("mapping,kwargs", [
-    pytest.param("pmap", {}, marks=pytest.mark.slow),
+    ("pmap", {}),
     pytest.param("pmap", {"damping_type": "exact",
                           "stagger_inverse_updates": True,
                           "inverse_update_period": 2}, marks=pytest.mark.slow),

@@ -35,9 +35,6 @@ def _estimator_and_state(**kw):
   return est, state
 
 
-# Slow tier: tests/test_conformance.py checks the bucketed refresh of every
-# registered pair at the default options in the default tier.
-@pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(exps=(-1,)),
     dict(exps=(-1, -0.5)),
