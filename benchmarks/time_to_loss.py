@@ -15,7 +15,9 @@ plus ``1e-5 · ½‖θ‖²``), batch 500, the same batch sequence for every run
    curvature from a quarter of each batch); so does each other
    ``--stats-fractions`` entry (default ``1``: the whole batch), and each
    ``--inverse-periods`` entry (none by default; e.g. ``10,20``: the
-   inverses refreshed every 10 or 20 steps).
+   inverses refreshed every 10 or 20 steps); ``--ekfac`` adds a
+   ``kfac_optimizer`` run at its defaults with every layer's block the
+   eigenvalue-corrected ``"ekfac"`` (George et al., 2018).
 4. Each ``--kfac LR:DAMPING`` entry (none by default) adds runs of
    ``kfac`` (momentum 0.9, fixed learning rate and damping; loss, gradient
    and statistics from ``value_grad_and_stats``), one per
@@ -169,6 +171,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--inverse-periods", default="",
                  help="comma-separated inverse_update_period values: each "
                  "adds a kfac_optimizer run at its default stats_fraction")
+  p.add_argument("--ekfac", action="store_true",
+                 help="add a kfac_optimizer (defaults) run with EK-FAC blocks")
   p.add_argument("--kfac", default="",
                  help="comma-separated LR:DAMPING pairs: each adds kfac runs "
                  "(one per --kfac-stats-fractions entry), e.g. 0.03:10")
@@ -226,6 +230,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   runs += [optimizer_run(f"kfac_optimizer inverse_update_period={k}",
                          inverse_update_period=k)
            for k in (int(x) for x in args.inverse_periods.split(",") if x)]
+  if args.ekfac:
+    ek = kfac_jax_lite.scan(ae.loss_fn, params, images[:args.batch_size],
+                            approximations={"fully_connected": "ekfac"})
+    tx = kfac_jax_lite.kfac_optimizer(ek, l2_reg=ae.L2)
+    runs.append(("kfac_optimizer ekfac", "kfac_optimizer (defaults), ekfac, "
+                 "l2_reg=1e-5", tx, ae.make_kfac_step(ek, tx)))
   runs += [kfac_run(*(float(v) for v in setting.split(":")), f)
            for setting in args.kfac.split(",") if setting
            for f in (float(x) for x in args.kfac_stats_fractions.split(",")
