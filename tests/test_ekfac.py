@@ -224,11 +224,17 @@ def test_estimator_empirical_block_is_diag_of_exact_fisher_in_basis():
   kest = kl.FisherEstimator(
       kl.scan(helpers.classifier_loss, params, batch),
       estimation_mode="empirical")
-  state = est.update_curvature(est.init(params), params, batch)
-  state = est.update_cache(state)
-  state = est.update_curvature(state, params, batch, ema_decay=0.0)
-  kstate = kest.update_curvature(kest.init(params), params, batch)
-  grads = jax.vmap(jax.grad(_per_example_loss), (None, 0, 0))(params, *batch)
+  @jax.jit
+  def states(params, batch):
+    state = est.update_curvature(est.init(params), params, batch)
+    state = est.update_cache(state)
+    state = est.update_curvature(state, params, batch, ema_decay=0.0)
+    kstate = kest.update_curvature(kest.init(params), params, batch)
+    return state, kstate
+
+  state, kstate = states(params, batch)
+  grads = jax.jit(jax.vmap(jax.grad(_per_example_loss), (None, 0, 0)))(
+      params, *batch)
   b = batch[0].shape[0]
   layers = zip(coll.layers, est.blocks, est.per_layer(state),
                kest.blocks, kest.per_layer(kstate))
@@ -247,7 +253,8 @@ def test_estimator_empirical_block_is_diag_of_exact_fisher_in_basis():
     assert np.linalg.norm(ek - fb) < np.linalg.norm(kf - fb)
   # Damped products through the estimator.
   v = jax.tree.map(lambda p: jnp.ones_like(p), params)
-  back = est.multiply(state, est.multiply_inverse(state, v))
+  back = jax.jit(lambda s, v: est.multiply(s, est.multiply_inverse(s, v)))(
+      state, v)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(v)):
     np.testing.assert_allclose(a, b, rtol=1e-9)
 
