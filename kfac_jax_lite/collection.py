@@ -20,6 +20,19 @@ from kfac_jax_lite.layer import Layer  # Also kfac_jax_lite.collection.Layer.
 # Allowed approximations per layer kind and multi-use kind ("conv_multi"),
 # the default first; derived from the registry (kfac_jax_lite.kinds).
 APPROXIMATIONS = kinds.APPROXIMATIONS
+"""The approximations of each layer kind, the default first (read-only).
+
+Keys are the kinds (``"fully_connected"``, ``"conv"``, ...) and their
+multi-use variants (``"fully_connected_multi"``, ...), for a layer used
+more than once per example; values are tuples of approximation names.
+Derived from the registry in :mod:`kfac_jax_lite.kinds`.
+
+Example:
+  >>> kl.APPROXIMATIONS["conv"]
+  ('kron', 'diagonal', 'kron_sua', 'ekfac')
+  >>> "kron_series_1" in kl.APPROXIMATIONS["fully_connected_multi"]
+  True
+"""
 approximation_key = kinds.approximation_key
 
 
