@@ -1,4 +1,4 @@
-"""kfac_optimizer against optax.adam on the bundled MNIST (issue 5).
+"""kfac_optimizer against optax.adam on the bundled MNIST.
 
 A 3-layer tanh MLP (784-256-256-10), batch 500, 200 steps. Adam runs at each
 learning rate of {1e-4, 3e-4, 1e-3, 3e-3}; the best (lowest final training

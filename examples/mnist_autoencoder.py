@@ -67,8 +67,8 @@ def use_compilation_cache(path: Optional[str]) -> None:
   """Turns on JAX's persistent compilation cache in ``path`` (None: off).
 
   A second run of the script loads its compiled steps from there instead
-  of compiling them again (README, *Paying the compile once*). Every
-  program is kept, however short its compile
+  of compiling them again (docs/performance.md, *Paying the compile
+  once*). Every program is kept, however short its compile
   (``jax_persistent_cache_min_compile_time_secs`` 0). Call it before the
   first computation.
   """

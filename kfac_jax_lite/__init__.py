@@ -39,4 +39,40 @@ from kfac_jax_lite.transform import kfac
 from kfac_jax_lite.transform import scale_by_kfac
 from kfac_jax_lite.transform import skip_nonfinite
 
+__all__ = [
+    "APPROXIMATIONS",
+    "CurvatureState",
+    "EstimatorState",
+    "FisherEstimator",
+    "KFACOptimizerState",
+    "Layer",
+    "LayerCollection",
+    "LossSpec",
+    "SkipNonFiniteState",
+    "Stats",
+    "kfac",
+    "kfac_optimizer",
+    "register_categorical_predictive_distribution",
+    "register_conv",
+    "register_conv2d",
+    "register_convolution",
+    "register_dense",
+    "register_depthwise_conv2d",
+    "register_embedding",
+    "register_fully_connected",
+    "register_generic",
+    "register_multi_bernoulli_predictive_distribution",
+    "register_normal_predictive_distribution",
+    "register_scale_and_shift",
+    "register_separable_conv2d",
+    "register_sigmoid_cross_entropy_loss",
+    "register_softmax_cross_entropy_loss",
+    "register_squared_error_loss",
+    "scale_by_kfac",
+    "scan",
+    "skip_nonfinite",
+    "update_curvature",
+    "value_grad_and_stats",
+]
+
 __version__ = "0.1.0"

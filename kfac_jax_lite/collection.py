@@ -20,6 +20,19 @@ from kfac_jax_lite.layer import Layer  # Also kfac_jax_lite.collection.Layer.
 # Allowed approximations per layer kind and multi-use kind ("conv_multi"),
 # the default first; derived from the registry (kfac_jax_lite.kinds).
 APPROXIMATIONS = kinds.APPROXIMATIONS
+"""The approximations of each layer kind, the default first (read-only).
+
+Keys are the kinds (``"fully_connected"``, ``"conv"``, ...) and their
+multi-use variants (``"fully_connected_multi"``, ...), for a layer used
+more than once per example; values are tuples of approximation names.
+Derived from the registry in :mod:`kfac_jax_lite.kinds`.
+
+Example:
+  >>> kl.APPROXIMATIONS["conv"]
+  ('kron', 'diagonal', 'kron_sua', 'ekfac')
+  >>> "kron_series_1" in kl.APPROXIMATIONS["fully_connected_multi"]
+  True
+"""
 approximation_key = kinds.approximation_key
 
 
@@ -107,6 +120,12 @@ class LayerCollection:
     leaf_shapes: the shape of every leaf, in flatten order.
     auto_register: whether ``scan`` recognised untagged layers (the
       estimator re-traces with the same setting).
+
+  Example:
+    >>> collection = kl.scan(loss_fn, params, batch)
+    >>> print(collection.describe())
+    >>> [(l.name, l.kind, l.approx) for l in collection.layers]
+    >>> collection.check_registration(params)
   """
   layers: tuple
   losses: tuple
@@ -120,6 +139,14 @@ class LayerCollection:
   auto_register: bool = False
 
   def is_trainable(self, index: int) -> bool:
+    """Whether leaf ``index`` is trainable (``scan``'s ``params_filter``).
+
+    Args:
+      index: a leaf's position in flatten order.
+
+    Returns:
+      True when the leaf is optimised (and may belong to a layer).
+    """
     return not self.trainable or self.trainable[index]
 
   @property
@@ -128,6 +155,17 @@ class LayerCollection:
     return tuple(p for layer in self.layers for p in layer.param_paths)
 
   def layer(self, name: str) -> Layer:
+    """The layer called ``name``.
+
+    Args:
+      name: a :attr:`Layer.name`, as ``describe()`` prints it.
+
+    Returns:
+      The :class:`Layer`.
+
+    Raises:
+      KeyError: if no layer has that name (the message lists them).
+    """
     for layer in self.layers:
       if layer.name == name:
         return layer
@@ -139,6 +177,10 @@ class LayerCollection:
 
     Args:
       params: a parameter pytree (e.g. the one that will be optimised).
+
+    Raises:
+      ValueError: listing every leaf that is unregistered, registered in
+        several layers, or registered but not in ``params``.
     """
     paths = leaf_paths_of(params)
     if len(paths) == len(self.leaf_paths):
@@ -166,6 +208,13 @@ class LayerCollection:
 
     Leaves are compared by normalised path, so a flax ``nnx.State`` of
     ``Param`` variables and its ``nnx.as_pure`` arrays both match.
+
+    Args:
+      params: the pytree to check.
+      argname: its name in the error message.
+
+    Raises:
+      ValueError: naming missing and unexpected leaves.
     """
     if jax.tree.structure(params) == self.params_treedef:
       return
@@ -180,7 +229,13 @@ class LayerCollection:
           "parameter pytree that was given to scan(), or scan again.")
 
   def describe(self) -> str:
-    """A human-readable table of layers, approximations and fallbacks."""
+    """A human-readable table of layers, approximations and fallbacks.
+
+    Returns:
+      One line per layer (name, kind, approximation, parameter shapes,
+      uses, found by tag or auto), the losses, the parameter count and,
+      under "fallbacks", every parameter left to a generic block and why.
+    """
     rows = [("layer", "kind", "approx", "shapes", "uses", "found by")]
     for l in self.layers:
       shapes = " ".join("x".join(map(str, s)) or "()" for s in l.param_shapes)

@@ -107,7 +107,21 @@ def check_batch_and_stats(batch, stats):
 
 
 class CurvatureState(NamedTuple):
-  """State of :func:`update_curvature`."""
+  """State of :func:`update_curvature`: every array K-FAC keeps.
+
+  Attributes:
+    count: ``[]`` int32, the steps applied.
+    rng: ``[2]`` uint32, the key of the sampled targets.
+    num_cov_updates: ``[]`` int32, the statistics updates done.
+    num_inverse_updates: ``[]`` int32, the steps that refreshed a cache.
+    last_finite: ``[]`` bool, whether the last step's inputs were finite.
+    estimator: the :class:`~kfac_jax_lite.EstimatorState` (factors and
+      caches, same-shaped blocks stacked).
+
+  Example:
+    >>> state = kl.scale_by_kfac(collection).init(params)
+    >>> state.count, state.estimator.blocks[0]
+  """
   count: jnp.ndarray                # [] int32, steps applied
   rng: jnp.ndarray                  # [2] uint32, key for sampled targets
   num_cov_updates: jnp.ndarray      # [] int32, statistics updates done
@@ -194,6 +208,17 @@ def update_curvature(estimator: estimator_lib.FisherEstimator, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`CurvatureState`.
+
+  Raises:
+    ValueError: for a period below 1 or a negative ``damping``; at
+      ``update``, with neither or both of ``batch`` and ``stats``.
+
+  Example:
+    >>> est = kl.FisherEstimator(collection, exps=(-1, -0.5))
+    >>> tx = optax.chain(kl.update_curvature(est, damping=1e-3),
+    ...                  optax.scale_by_adam())
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params, batch=batch)
   """
   est = estimator
   check_period("cov_update_period", cov_update_period)

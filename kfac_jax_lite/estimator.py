@@ -51,7 +51,10 @@ class FisherEstimator:
     exps: matrix powers to cache (``-1`` the inverse, ``-0.5``, ...).
     estimation_mode: see :mod:`kfac_jax_lite.statistics` (kfac-jax names
       accepted).
-    compute_cholesky, compute_cholesky_inverse: cache Cholesky factors.
+    compute_cholesky: cache the Cholesky factors of the damped blocks (for
+      :meth:`multiply_cholesky`).
+    compute_cholesky_inverse: cache their inverses (for
+      :meth:`multiply_cholesky_inverse`).
     compute_params_stats: also keep the EMA of the mean per-source gradient
       (in ``empirical`` mode: the mean gradient).
     num_samples: target draws per example (``gradients``,
@@ -98,6 +101,13 @@ class FisherEstimator:
       parameter-path prefix to a factory ``(layer, config) -> block``
       that builds that layer's block instead of the built-in one
       (:func:`kfac_jax_lite.blocks.make_block`'s ``overrides``).
+
+  Raises:
+    TypeError: if ``collection`` is not a :class:`LayerCollection`.
+    ValueError: for an unknown ``estimation_mode``, ``cov_ema_decay``
+      outside ``[0, 1)``, a negative ``damping``, a ``stats_fraction``
+      outside ``(0, 1]``, or inconsistent data-parallel options (each
+      message names the argument and its value).
 
   Example:
     >>> est = FisherEstimator(collection, damping=1e-3)
@@ -170,7 +180,17 @@ class FisherEstimator:
 
   # ---- state -------------------------------------------------------------
   def init(self, params) -> EstimatorState:
-    """The initial state: every block's, same-shaped blocks stacked."""
+    """The initial state: every block's, same-shaped blocks stacked.
+
+    Args:
+      params: the parameters (checked against the collection's structure).
+
+    Returns:
+      An :class:`EstimatorState` of zero factors and identity caches.
+
+    Raises:
+      ValueError: if ``params`` does not match the collection.
+    """
     self.collection.check_params(params)
     ps, pw = (), ()
     if self.compute_params_stats:
@@ -184,7 +204,15 @@ class FisherEstimator:
   def per_layer(self, state) -> tuple:
     """A read-only per-layer view: one block state per layer of ``state``
     (or one block's statistics per layer of a :class:`Stats`), in
-    collection order, sliced out of the group stacks."""
+    collection order, sliced out of the group stacks.
+
+    Args:
+      state: an :class:`EstimatorState` of this estimator, or a
+        :class:`Stats` it computed.
+
+    Returns:
+      A tuple with one block state (or statistics) per layer.
+    """
     return tuple(grouping.per_layer(self.groups, self._stacked(state),
                                     len(self.blocks)))
 
@@ -209,6 +237,14 @@ class FisherEstimator:
     products through it (:meth:`Linearized.output_jvp`); without, it
     traces faster and its JVP, if asked for, costs one more transpose
     (:class:`Linearized`).
+
+    Args:
+      params: the parameters.
+      batch: the batch ``loss_fn`` takes.
+      with_jvp: build the JVP too (see above).
+
+    Returns:
+      A ``statistics.Linearized``: loss, gradient and the layers' inputs.
     """
     return Linearized(self.collection, params, batch, with_jvp=with_jvp)
 
@@ -228,6 +264,15 @@ class FisherEstimator:
     on the leading axis, e.g. a time-major ``[T, B, ...]`` sequence batch)
     it warns at trace time and returns ``lin``: the factors still use the
     first ``m`` rows, the Fisher products the whole batch.
+
+    Args:
+      params: the parameters.
+      batch: the whole batch ``lin`` was built from.
+      lin: the whole batch's linearisation (:meth:`linearize`).
+      with_jvp: as for :meth:`linearize`, for the second pass.
+
+    Returns:
+      ``lin`` or the head's ``statistics.Linearized``.
     """
     return statistics.linearize_head(
         self.collection, params, batch, lin, self.stats_fraction,
@@ -238,6 +283,13 @@ class FisherEstimator:
 
     With ``axis_name``, ``rng`` is folded with the replica's axis index
     (pass the same key on every replica).
+
+    Args:
+      lin: a linearisation (:meth:`linearize`).
+      rng: a PRNG key for the sampled targets or Rademacher vectors.
+
+    Returns:
+      The :class:`Stats` of every block.
     """
     if self.axis_name is not None:
       rng = distributed.replica_key(rng, self.axis_name)
@@ -252,7 +304,16 @@ class FisherEstimator:
         stats_sync=self.stats_sync)
 
   def compute_stats(self, params, batch, rng) -> Stats:
-    """Minibatch statistics of every block (one forward pass, no gradient)."""
+    """Minibatch statistics of every block (one forward pass, no gradient).
+
+    Args:
+      params: the parameters.
+      batch: the batch ``loss_fn`` takes.
+      rng: a PRNG key for the sampled targets or Rademacher vectors.
+
+    Returns:
+      The :class:`Stats` of every block, for :meth:`update_curvature`.
+    """
     return self.stats_from(self.linearize(params, batch), rng)
 
   def update_curvature(self, state: EstimatorState, params=None, batch=None,
@@ -262,6 +323,22 @@ class FisherEstimator:
     Give either ``(params, batch, rng)`` or ``stats`` (from
     :func:`value_grad_and_stats` or :meth:`compute_stats`). Each block
     folds in only its own statistics, and only when they are finite.
+
+    Args:
+      state: the estimator state.
+      params: the parameters (with ``batch``).
+      batch: the batch ``loss_fn`` takes; statistics are computed from it.
+      rng: a PRNG key for the sampled targets (None: a fixed key).
+      stats: statistics from :func:`value_grad_and_stats` or
+        :meth:`compute_stats`, instead of ``batch``.
+      ema_decay: overrides ``cov_ema_decay`` for this update.
+
+    Returns:
+      The new :class:`EstimatorState`.
+
+    Raises:
+      ValueError: with neither or both of ``batch`` and ``stats``, or with
+        statistics of another estimator or reduced over another axis.
     """
     if (batch is None) == (stats is None):
       raise ValueError(
@@ -303,6 +380,9 @@ class FisherEstimator:
     Args:
       state: the estimator state.
       layers: optional indices of the layers to average (default: all).
+
+    Returns:
+      The state with the averaged factors.
     """
     if self.axis_name is None:
       return state
@@ -326,6 +406,9 @@ class FisherEstimator:
       damping: λ (float or scalar array); None uses the constructor's.
       layers: optional indices of the layers to refresh (others keep their
         cache); used to stagger refreshes over several steps.
+
+    Returns:
+      The state with refreshed caches.
     """
     damping = self.damping if damping is None else damping
     damping = jnp.asarray(damping, linalg.factor_dtype())
@@ -385,6 +468,17 @@ class FisherEstimator:
     once, by the kernels that build the matrices
     (docs/performance.md#product-inputs). ``name`` names ``v`` in the
     error raised when it does not match the parameters.
+
+    Args:
+      state: the estimator state.
+      v: a params-shaped vector.
+      name: the name of ``v`` in error messages.
+
+    Returns:
+      A ``ProductInputs`` for :meth:`multiply_matpower`'s ``inputs=``.
+
+    Raises:
+      ValueError: if ``v`` does not have the parameters' structure.
     """
     leaves, parts = grouping.split_params(self.collection, v, name)
     per_group = self._per_group(state, lambda b, s, x: b.product_input(x),
@@ -401,7 +495,18 @@ class FisherEstimator:
     same-shaped layers); it is cut per layer and per parameter afterwards
     (:meth:`~blocks.base.Block.finish_product`), where the slices fuse
     with what consumes the product instead of being kernels of their own.
-    ``inputs``: :meth:`product_inputs` of ``v``, when the caller made it.
+
+    Args:
+      state: the estimator state (after :meth:`update_cache`).
+      v: a params-shaped vector.
+      exp: the exponent: 1, or one of the constructor's ``exps``.
+      inputs: :meth:`product_inputs` of ``v``, when the caller made it.
+
+    Returns:
+      ``F̂^exp v``, params-shaped.
+
+    Raises:
+      ValueError: for an exponent neither 1 nor in ``exps``.
     """
     for b in self.blocks:
       blocks_lib.base.check_exp(b, exp)
@@ -410,25 +515,85 @@ class FisherEstimator:
         finish=lambda b, r, x: b.finish_product(r, x), inputs=inputs)
 
   def multiply(self, state, v):
+    """``F̂ v``: the damped curvature times a params-shaped ``v``.
+
+    Args:
+      state: the estimator state.
+      v: a params-shaped vector.
+
+    Returns:
+      ``(F̂ + λ) v`` as the blocks damp it, params-shaped.
+    """
     return self.multiply_matpower(state, v, 1)
 
   def multiply_inverse(self, state, v):
+    """``F̂⁻¹ v`` (damped), the natural-gradient direction of ``v``.
+
+    Args:
+      state: the estimator state (after :meth:`update_cache`).
+      v: a params-shaped vector.
+
+    Returns:
+      ``(F̂ + λ)⁻¹ v``, params-shaped.
+    """
     return self.multiply_matpower(state, v, -1)
 
   def multiply_cholesky(self, state, v, transpose=False):
+    """``C v`` with ``C Cᵀ`` the damped block (``compute_cholesky=True``).
+
+    Args:
+      state: the estimator state (after :meth:`update_cache`).
+      v: a params-shaped vector.
+      transpose: apply ``Cᵀ`` instead.
+
+    Returns:
+      ``C v`` (or ``Cᵀ v``), params-shaped.
+    """
     return self._apply(state, v, lambda b, s, x: b.multiply_cholesky(
         s, x, transpose))
 
   def multiply_cholesky_inverse(self, state, v, transpose=False):
+    """``C⁻¹ v`` with ``C Cᵀ`` the damped block
+    (``compute_cholesky_inverse=True``).
+
+    Args:
+      state: the estimator state (after :meth:`update_cache`).
+      v: a params-shaped vector.
+      transpose: apply ``C⁻ᵀ`` instead.
+
+    Returns:
+      ``C⁻¹ v`` (or ``C⁻ᵀ v``), params-shaped.
+    """
     return self._apply(state, v, lambda b, s, x: b.multiply_cholesky_inverse(
         s, x, transpose))
 
   def full_fisher(self, state):
-    """Undamped dense block-diagonal ``[P, P]``, ``ravel_pytree`` order."""
+    """Undamped dense block-diagonal ``[P, P]``, ``ravel_pytree`` order.
+
+    For tests and small models: ``P`` is the number of parameters.
+
+    Args:
+      state: the estimator state.
+
+    Returns:
+      The ``[P, P]`` matrix in ``jax.flatten_util.ravel_pytree(params)``
+      order.
+    """
     return grouping.dense_block_diagonal(self.collection, self.blocks,
                                          self.per_layer(state))
 
   def params_stats(self, state):
+    """The EMA of the mean per-source gradient (``compute_params_stats``).
+
+    Args:
+      state: the estimator state.
+
+    Returns:
+      A params-shaped tree.
+
+    Raises:
+      ValueError: unless built with ``compute_params_stats=True``.
+    """
     if not self.compute_params_stats:
       raise ValueError(
           "params_stats needs FisherEstimator(compute_params_stats=True).")
@@ -467,9 +632,25 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
     estimation_mode: as :class:`FisherEstimator`; must match the consumer.
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
     num_samples: target draws per example.
-    axis_name, stats_sync, stats_fraction, stats_min_examples: as
-      :class:`FisherEstimator`.
-    estimator: use this estimator's blocks and options instead.
+    axis_name: the data-parallel axis, as for :class:`FisherEstimator`.
+    stats_sync: as for :class:`FisherEstimator`; must match the consumer.
+    stats_fraction: as for :class:`FisherEstimator`.
+    stats_min_examples: as for :class:`FisherEstimator`.
+    estimator: use this estimator's blocks and options instead (give the
+      consumer the same one).
+
+  Returns:
+    ``fn(params, batch, rng) -> (loss_or_(loss, aux), grads, stats)``.
+
+  Raises:
+    ValueError: if ``loss_fn`` is not ``collection.loss_fn`` or
+      ``has_aux`` differs from the scan's.
+
+  Example:
+    >>> fn = kl.value_grad_and_stats(loss_fn, collection)
+    >>> loss, grads, stats = fn(params, batch, rng)
+    >>> updates, opt_state = tx.update(grads, opt_state, params,
+    ...                                stats=stats)
   """
   if loss_fn is not collection.loss_fn:
     raise ValueError(

@@ -30,6 +30,18 @@ class EstimatorState(NamedTuple):
   name the group's layer indices (``"3"``, ``"1,2,4"``), so the grouping is
   part of the pytree structure and survives ``jit``, checkpoints and flax
   serialisation. :attr:`blocks` is a read-only per-layer view.
+
+  Attributes:
+    stacked: ``"i,j,..."`` (the group's layer indices) -> the group's block
+      state, stacked along a leading layer axis.
+    params_stats: the EMA of the mean per-source gradient
+      (``compute_params_stats``), or ``()``.
+    params_weight: ``[]``, that EMA's weight, or ``()``.
+
+  Example:
+    >>> state = kl.FisherEstimator(collection).init(params)
+    >>> list(state.stacked)           # e.g. ['0', '1,2']
+    >>> state.blocks[1]               # layer 1's block state
   """
   stacked: dict          # "i,j,..." -> the group's (stacked) block state
   params_stats: Any      # EMA of the mean per-source gradient, or ()

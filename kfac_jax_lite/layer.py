@@ -41,6 +41,12 @@ class Layer:
       slices, and slice ``l`` is an independent layer. The curvature block
       is built for one slice and ``vmap``-ped over the stack axis
       (:class:`kfac_jax_lite.blocks.combinators.VmappedBlock`).
+
+  Example:
+    >>> layer = collection.layers[0]
+    >>> layer.kind, layer.approx, layer.num_uses
+    ('fully_connected', 'kron', 1)
+    >>> layer.param_paths              # keystr of the kernel and bias leaves
   """
   name: str
   kind: str
@@ -64,10 +70,12 @@ class Layer:
 
   @property
   def is_multi(self) -> bool:
+    """Whether the layer is used more than once per example."""
     return self.num_uses > 1
 
   @property
   def meta_dict(self) -> dict:
+    """The tag metadata as a dict (strides, padding, ...)."""
     return dict(self.meta)
 
   @property
@@ -78,4 +86,5 @@ class Layer:
 
   @property
   def num_params(self) -> int:
+    """The number of parameters (every entry of every leaf)."""
     return sum(int(math.prod(s)) for s in self.param_shapes)

@@ -72,6 +72,12 @@ class LossSpec:
     has_targets: whether targets were passed at the tag.
     shape: the shape of ``z`` at scan time.
     has_mask: whether a ``mask`` was passed at the tag.
+
+  Example:
+    >>> spec = collection.losses[0]
+    >>> spec.kind, spec.weight, spec.shape
+    ('categorical', 1.0, (128, 5))
+    >>> spec.mean_nll(logits, labels)      # the registered loss, unweighted
   """
   kind: str
   weight: float = 1.0
@@ -82,14 +88,30 @@ class LossSpec:
 
   # ---- positions --------------------------------------------------------
   def keep(self, z, mask):
-    """The mask as booleans of z's leading shape (None without a mask)."""
+    """The mask as booleans of z's leading shape (None without a mask).
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      mask: the tag's mask (broadcastable to the leading shape), or None.
+
+    Returns:
+      A boolean array of the leading shape, or None.
+    """
     if mask is None:
       return None
     return jnp.broadcast_to(mask, leading_shape(z.shape)) != 0
 
   def count(self, z, mask):
     """``N``: the number of kept positions (a Python int without a mask, a
-    traced scalar with one)."""
+    traced scalar with one).
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      mask: the tag's mask (broadcastable to the leading shape), or None.
+
+    Returns:
+      ``N``, an int or a traced int32 scalar.
+    """
     if mask is None:
       return num_positions(z.shape)
     return jnp.sum(self.keep(z, mask), dtype=jnp.int32)
@@ -100,7 +122,16 @@ class LossSpec:
 
   # ---- per-position log-likelihood -------------------------------------
   def nll(self, z, y):
-    """Per-position negative log-likelihood, of the leading shape."""
+    """Per-position negative log-likelihood, of the leading shape.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      y: targets: class ids of the leading shape (categorical) or values
+        of ``z``'s shape.
+
+    Returns:
+      An array of the leading shape.
+    """
     z = _up(z)
     if self.kind == "categorical":
       logp = jax.nn.log_softmax(z, axis=-1)
@@ -118,7 +149,17 @@ class LossSpec:
 
   def mean_nll(self, z, y, mask=None):
     """The registered loss without its weight: the mean of :meth:`nll`
-    over the (kept) positions; 0 when every position is masked."""
+    over the (kept) positions; 0 when every position is masked.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      y: targets: class ids of the leading shape (categorical) or values
+        of ``z``'s shape.
+      mask: the tag's mask (broadcastable to the leading shape), or None.
+
+    Returns:
+      A scalar.
+    """
     val = self.nll(z, y)
     if mask is None:
       return jnp.mean(val)
@@ -127,7 +168,16 @@ class LossSpec:
         self.count(z, mask), 1).astype(val.dtype)
 
   def nll_grad(self, z, y):
-    """:math:`\\partial\\, \\mathrm{nll}_n / \\partial z_n`, per position."""
+    """:math:`\\partial\\, \\mathrm{nll}_n / \\partial z_n`, per position.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      y: targets: class ids of the leading shape (categorical) or values
+        of ``z``'s shape.
+
+    Returns:
+      An array of ``z``'s shape.
+    """
     z32 = _up(z)
     if self.kind == "categorical":
       p = jax.nn.softmax(z32, axis=-1)
@@ -146,6 +196,13 @@ class LossSpec:
     Categorical by the Gumbel-max trick, ``argmax(z - log(-log u))``;
     Normal by the inverse CDF, ``z + sqrt(var) Φ⁻¹(u)``; Bernoulli as
     ``u < sigmoid(z)``. Every position draws independently.
+
+    Args:
+      key: a key of :mod:`kfac_jax_lite.keys` or a ``jax.random`` key.
+      z: the tag's operand ``[..., E]`` (logits or mean).
+
+    Returns:
+      Targets in the layout of data targets.
     """
     z32 = jax.lax.stop_gradient(_up(z))
     u = keys.uniform(key, z.shape, z32.dtype)
@@ -159,7 +216,15 @@ class LossSpec:
 
   # ---- Fisher factor products (per position) ----------------------------
   def fisher_factor(self, z, v):
-    """:math:`B v` with ``v`` of z's shape; :math:`F_R = B B^T`."""
+    """:math:`B v` with ``v`` of z's shape; :math:`F_R = B B^T`.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      v: a vector of ``z``'s shape.
+
+    Returns:
+      An array of ``z``'s shape.
+    """
     z = _up(z)
     if self.kind == "categorical":
       p = jax.nn.softmax(z, axis=-1)
@@ -173,7 +238,15 @@ class LossSpec:
     raise ValueError(f"Unknown loss kind {self.kind!r}.")
 
   def fisher_factor_transpose(self, z, u):
-    """:math:`B^T u`."""
+    """:math:`B^T u`.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      u: a vector of ``z``'s shape.
+
+    Returns:
+      An array of ``z``'s shape.
+    """
     z = _up(z)
     if self.kind == "categorical":
       p = jax.nn.softmax(z, axis=-1)
@@ -182,7 +255,15 @@ class LossSpec:
     return self.fisher_factor(z, u)
 
   def multiply_fisher(self, z, v):
-    """:math:`F_R v` per position (exact, no sampling)."""
+    """:math:`F_R v` per position (exact, no sampling).
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      v: a vector of ``z``'s shape.
+
+    Returns:
+      An array of ``z``'s shape.
+    """
     return self.fisher_factor(z, self.fisher_factor_transpose(z, v))
 
   # Natural parameters: GGN == Fisher for all three distributions.
@@ -196,6 +277,13 @@ class LossSpec:
     positions list each example's ``k`` positions together (example
     ``b`` owns the flat positions ``b·k .. b·k + k - 1``: a ``[B, T, V]``
     tag, or its ``reshape(-1, V)``).
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      examples: ``B``, the number of examples in the batch.
+
+    Returns:
+      ``k``, an int.
 
     Raises:
       ValueError: if ``N`` is not a multiple of ``examples``.
@@ -220,6 +308,13 @@ class LossSpec:
     because each column has one nonzero position per example (the
     positions of one example are never mixed). Built with ``vmap`` over
     ``k``, never a Python loop.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      examples: ``B``, the number of examples in the batch.
+
+    Returns:
+      An array ``[K, *z.shape]``.
     """
     if z.ndim and z.shape[0] == examples:   # [B, *inner]
       inner, zr = z.shape[1:], z
@@ -244,6 +339,15 @@ class LossSpec:
     the ``S`` sources, estimate :math:`\\frac{w}{N} \\sum_n m_n J_n^T F_R
     J_n`. A Python float without a mask; with one, an array that
     broadcasts against ``z`` (0 at masked positions; ``N`` at least 1).
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      mask: the tag's mask (broadcastable to the leading shape), or None.
+      examples: ``B``, the number of examples in the batch.
+      sources: ``S``, the cotangent sources (samples) per position.
+
+    Returns:
+      A Python float, or an array that broadcasts against ``z``.
     """
     if mask is None:
       return math.sqrt(self.weight * (examples / num_positions(z.shape))
@@ -260,6 +364,15 @@ class LossSpec:
 
     .. math:: v_i^T F v_j = \\frac{w}{N} \\sum_n m_n
        (J_n v_i)^T F_R(z_n) (J_n v_j)
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      mask: the tag's mask (broadcastable to the leading shape), or None.
+      jvs: ``[k, *z.shape]``, the products ``J vᵢ``.
+      fjvs: ``[k, *z.shape]``, the products ``F_R J vᵢ``.
+
+    Returns:
+      The ``[k, k]`` Gram matrix.
     """
     jvs = jvs.astype(fjvs.dtype)
     if mask is None:

@@ -46,6 +46,26 @@ from kfac_jax_lite.collection import LayerCollection
 
 
 class KFACOptimizerState(NamedTuple):
+  """State of :func:`kfac_optimizer`: the curvature and the adapted scalars.
+
+  Attributes:
+    curvature: the :class:`~kfac_jax_lite.CurvatureState` (factors, cached
+      inverses, counters, sampling key).
+    velocity: params-like, the previous update δ (the momentum direction).
+    damping: ``[]``, the λ used by this and the next step.
+    learning_rate: ``[]``, the α of the last step.
+    momentum: ``[]``, the μ of the last step.
+    qmodel_change: ``[]``, the quadratic model's predicted change
+      ``q₀(u)`` of the last step.
+    rho: ``[]``, the reduction ratio ρ at the last damping adaptation.
+    loss: ``[]``, the loss ``h(θ)`` on the last batch.
+    new_loss: ``[]``, ``h(θ + u)`` at the last damping adaptation.
+    num_skipped: ``[]`` int32, the steps skipped for non-finite inputs.
+
+  Example:
+    >>> updates, state = tx.update(None, state, params, batch=batch)
+    >>> print(state.damping, state.learning_rate, state.rho, state.loss)
+  """
   curvature: curvature_lib.CurvatureState
   velocity: Any                # params-like: the previous update δ
   damping: jnp.ndarray         # [] λ used by this and the next step
@@ -183,9 +203,12 @@ def kfac_optimizer(collection: LayerCollection, *,
     initial_damping: λ at step 0.
     adapt_damping: apply the Levenberg–Marquardt rule every
       ``damping_adaptation_interval`` steps (else λ stays fixed).
-    adapt_learning_rate, adapt_momentum: choose α / μ with the quadratic
-      model; otherwise use the fixed ``learning_rate`` / ``momentum``.
-    learning_rate, momentum: the fixed values (and fallbacks).
+    adapt_learning_rate: choose α with the quadratic model; otherwise use
+      the fixed ``learning_rate``.
+    adapt_momentum: choose μ with the quadratic model; otherwise use the
+      fixed ``momentum``.
+    learning_rate: the fixed α (and the fallback).
+    momentum: the fixed μ (and the fallback).
     damping_adaptation_decay: per-step decay; ω = decay^interval.
     damping_adaptation_interval: T, steps between damping updates.
     min_damping: floor of λ (plus ``l2_reg``).
@@ -193,8 +216,10 @@ def kfac_optimizer(collection: LayerCollection, *,
       enters the model's predicted change).
     inverse_update_period: refresh the damped inverses every this many
       steps (Martens & Grosse 2015 refresh them every ``T3 = 20``).
-    estimation_mode, axis_name: options of the estimator built here, as
-      for :func:`kfac_jax_lite.scale_by_kfac` (None: its default).
+    estimation_mode: an option of the estimator built here, as for
+      :func:`kfac_jax_lite.scale_by_kfac` (None: its default).
+    axis_name: the ``pmap``/``shard_map`` axis of data parallelism, as for
+      :func:`kfac_jax_lite.scale_by_kfac`.
     estimator: a :class:`~kfac_jax_lite.FisherEstimator` of ``collection``
       to use instead (then leave ``estimation_mode`` and ``axis_name``
       unset); its ``exps`` must contain -1.
@@ -208,6 +233,18 @@ def kfac_optimizer(collection: LayerCollection, *,
   axis, so ``α``, ``μ``, ``ρ`` and ``λ`` are the same on every replica;
   average the gradients yourself (``lax.pmean(grads, axis_name)``) before
   ``update``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` of descent updates with
+    state :class:`KFACOptimizerState`; its ``update`` needs ``batch=``
+    (and ``params``), takes ``stats=`` optionally, and accepts
+    ``grads=None``.
+
+  Raises:
+    ValueError: for a negative damping, ``l2_reg``, learning rate or
+      momentum, a ``damping_adaptation_decay`` outside ``(0, 1)``, a period
+      below 1, or an ``estimator`` whose ``exps`` lack -1; at ``update``,
+      without ``batch=``.
 
   Example:
     >>> tx = kfac_optimizer(collection, initial_damping=1.0)

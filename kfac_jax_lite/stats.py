@@ -44,6 +44,12 @@ class Stats:
     reduction: static: ``()``, or ``(axis_name, stats_sync)`` when the
       statistics were reduced over a data-parallel axis; the consumer
       checks that it expects the same reduction.
+
+  Example:
+    >>> loss, grads, stats = kl.value_grad_and_stats(loss_fn, collection)(
+    ...     params, batch, rng)
+    >>> updates, opt_state = tx.update(grads, opt_state, params,
+    ...                                stats=stats)
   """
   stacked: dict
   params: Any

@@ -147,15 +147,27 @@ def register_dense(y, x, w, b=None, *, approx: Optional[str] = None):
     x: the layer input, ``[..., d_in]``; leading axis is the batch.
     w: the kernel ``[d_in, d_out]`` (a parameter leaf, possibly cast).
     b: optional bias ``[d_out]``.
-    approx: one of ``kron`` (default), ``kron_in_diag``, ``kron_out_diag``,
-      ``kron_both_diag``, ``diagonal``, ``full``; or for multi-use layers
-      ``kron_indep``, ``kron_series_1``, ``kron_series_2``.
+    approx: one of ``APPROXIMATIONS["fully_connected"]`` (default
+      ``kron``; also ``ekfac``, ``kron_reduce``, ...), or for a layer used
+      several times per example one of
+      ``APPROXIMATIONS["fully_connected_multi"]`` (default ``kron_indep``;
+      ``kron_series_1``, ``kron_series_2``). None: the collection's default.
 
   Returns:
-    ``y``, unchanged.
+    ``y``, unchanged in value and gradient.
+
+  Raises:
+    ValueError: if the shapes of ``y``, ``x``, ``w`` and ``b`` do not form
+      a dense layer (the message names the argument and the shapes).
 
   Example:
-    >>> y = register_dense(x @ w + b, x, w, b)
+    >>> def loss_fn(params, batch):
+    ...   x, labels = batch
+    ...   logits = kl.register_dense(x @ params["w"] + params["b"], x,
+    ...                              params["w"], params["b"])
+    ...   kl.register_categorical_predictive_distribution(logits, labels)
+    ...   return optax.softmax_cross_entropy_with_integer_labels(
+    ...       logits, labels).mean()
   """
   params = (w,) if b is None else (w, b)
   tag_checks.check_dense_shapes(y, x, w, b)
@@ -183,10 +195,30 @@ def register_conv(y, x, w, b=None, *, window_strides, padding,
     x: the convolution input.
     w: the kernel, ``[*spatial, c_in, c_out]`` in the default layout.
     b: optional bias ``[c_out]``.
-    window_strides, padding, rhs_dilation, lhs_dilation, dimension_numbers,
-      feature_group_count: as for ``lax.conv_general_dilated``; padding may
-      be ``"SAME"``, ``"VALID"`` or explicit pairs.
-    approx: ``kron`` (default), ``diagonal`` or ``kron_sua``.
+    window_strides: as for ``lax.conv_general_dilated``.
+    padding: ``"SAME"``, ``"VALID"`` or explicit ``(low, high)`` pairs.
+    rhs_dilation: the kernel dilation, as for ``lax.conv_general_dilated``.
+    lhs_dilation: the input dilation, as for ``lax.conv_general_dilated``.
+    dimension_numbers: as for ``lax.conv_general_dilated``: layout strings
+      such as ``("NHWC", "HWIO", "NHWC")``, or None for lax's default.
+    feature_group_count: as for ``lax.conv_general_dilated``; a grouped
+      convolution with ``1 < feature_group_count < C`` is refused.
+    approx: ``kron`` (default), ``diagonal``, ``kron_sua`` or ``ekfac``
+      (``APPROXIMATIONS["conv"]``). None: the collection's default.
+
+  Returns:
+    ``y``, unchanged in value and gradient.
+
+  Raises:
+    ValueError: if the shapes or the convolution arguments are inconsistent
+      (the message names the argument, its value and what was expected).
+
+  Example:
+    >>> dn = ("NHWC", "HWIO", "NHWC")
+    >>> y = lax.conv_general_dilated(x, w, (1, 1), "SAME",
+    ...                              dimension_numbers=dn) + b
+    >>> y = kl.register_conv(y, x, w, b, window_strides=(1, 1),
+    ...                      padding="SAME", dimension_numbers=dn)
   """
   params = (w,) if b is None else (w, b)
   tag_checks.check_conv_shapes(
@@ -245,7 +277,34 @@ def _strides_2d(strides, name: str):
 
 def register_conv2d(y, x, w, b=None, *, strides, padding, dilations=None,
                     data_format: str = "NHWC", approx: Optional[str] = None):
-  """2-D convolution with TensorFlow's argument names; see register_conv."""
+  """Tags a 2-D convolution, with TensorFlow's argument names.
+
+  The same layer and approximations as :func:`register_conv`, whose
+  arguments this converts (``strides`` -> ``window_strides``,
+  ``dilations`` -> ``rhs_dilation``, ``data_format`` -> the dimension
+  numbers with an ``HWIO`` kernel).
+
+  Args:
+    y: the convolution output (plus bias). Returned unchanged.
+    x: the input, ``[B, H, W, C]`` (``NHWC``) or ``[B, C, H, W]``.
+    w: the kernel ``[h, w, c_in, c_out]`` (``HWIO``).
+    b: optional bias ``[c_out]``.
+    strides: an int, 2 spatial values, or TF's ``[1, sh, sw, 1]``.
+    padding: ``"SAME"``, ``"VALID"`` or explicit pairs.
+    dilations: the kernel dilation, in the form of ``strides``; None for 1.
+    data_format: ``"NHWC"`` (default) or ``"NCHW"``.
+    approx: as for :func:`register_conv`.
+
+  Returns:
+    ``y``, unchanged in value and gradient.
+
+  Raises:
+    ValueError: for a ``data_format`` other than ``NHWC``/``NCHW``, or
+      ``strides``/``dilations`` of the wrong length.
+
+  Example:
+    >>> y = kl.register_conv2d(y, x, w, b, strides=1, padding="SAME")
+  """
   if data_format not in ("NHWC", "NCHW"):
     raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
   dn = (data_format, "HWIO", data_format)
@@ -264,6 +323,27 @@ def register_depthwise_conv2d(y, x, w, *, strides, padding, rate=None,
 
   The block works on the equivalent dense filter ``[h, w, C, C*M]`` that is
   zero off the channel diagonal (TF K-FAC ``DepthwiseConv*FB``).
+
+  Args:
+    y: the convolution output. Returned unchanged.
+    x: the input, ``[B, H, W, C]`` (``NHWC``) or ``[B, C, H, W]``.
+    w: the depthwise kernel ``[h, w, C, M]`` (``M`` channels per input
+      channel).
+    strides: an int, 2 spatial values, or TF's ``[1, sh, sw, 1]``.
+    padding: ``"SAME"``, ``"VALID"`` or explicit pairs.
+    rate: the kernel dilation, in the form of ``strides``; None for 1.
+    data_format: ``"NHWC"`` (default) or ``"NCHW"``.
+    approx: ``diagonal`` (default) or ``kron``.
+
+  Returns:
+    ``y``, unchanged in value and gradient.
+
+  Raises:
+    ValueError: for a ``data_format`` other than ``NHWC``/``NCHW``, or
+      ``strides``/``rate`` of the wrong length.
+
+  Example:
+    >>> y = kl.register_depthwise_conv2d(y, x, w, strides=1, padding="SAME")
   """
   if data_format not in ("NHWC", "NCHW"):
     raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
@@ -285,6 +365,32 @@ def register_separable_conv2d(y, x, depthwise_w, pointwise_w, depthwise_y,
   gets the ``diagonal`` block of ``register_depthwise_conv2d``, its output
   gradient recovered as :math:`g_{dw} = g_y W_{pw}^T` (the 1x1 conv's
   transpose), so ``depthwise_y`` needs no tag of its own.
+
+  Args:
+    y: the output of the pointwise convolution (plus bias). Returned
+      unchanged.
+    x: the input of the depthwise convolution, ``[B, H, W, C]`` (``NHWC``)
+      or ``[B, C, H, W]``.
+    depthwise_w: the depthwise kernel ``[h, w, C, M]``.
+    pointwise_w: the pointwise kernel ``[1, 1, C*M, c_out]``.
+    depthwise_y: the depthwise convolution's output (the pointwise input).
+    b: optional bias ``[c_out]``.
+    strides: an int, 2 spatial values, or TF's ``[1, sh, sw, 1]``.
+    padding: ``"SAME"``, ``"VALID"`` or explicit pairs.
+    rate: the depthwise kernel's dilation; None for 1.
+    data_format: ``"NHWC"`` (default) or ``"NCHW"``.
+    approx: the pointwise part's block, ``kron`` (default) or ``diagonal``.
+
+  Returns:
+    ``y``, unchanged in value and gradient.
+
+  Raises:
+    ValueError: for a ``data_format`` other than ``NHWC``/``NCHW``, or
+      ``strides``/``rate`` of the wrong length.
+
+  Example:
+    >>> y = kl.register_separable_conv2d(y, x, dw, pw, dy, b, strides=1,
+    ...                                  padding="SAME")
   """
   if data_format not in ("NHWC", "NCHW"):
     raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
@@ -309,7 +415,18 @@ def register_embedding(y, ids, table, *, approx: Optional[str] = None):
     y: the looked-up embeddings, ``ids.shape + (d,)``.
     ids: integer ids, ``[B]`` or ``[B, k]``.
     table: the ``[vocab, d]`` table.
-    approx: ``kron`` (default).
+    approx: ``kron`` (default; ``kron_indep`` when used several times).
+
+  Returns:
+    ``y``, unchanged in value and gradient.
+
+  Raises:
+    TypeError: if ``ids`` are not integers.
+    ValueError: if ``table`` is not ``[vocab, d]``, ``y`` is not
+      ``ids.shape + (d,)``, or concrete ``ids`` fall outside the table.
+
+  Example:
+    >>> y = kl.register_embedding(table[ids], ids, table)
   """
   tag_checks.check_embedding(y, ids, table)
   return _layer_tag("embedding", y, (ids,), (table,), "register_embedding",
@@ -326,6 +443,17 @@ def register_scale_and_shift(y, x, scale, shift=None, *,
     scale: the scale parameter.
     shift: optional shift parameter.
     approx: ``full`` (default) or ``diagonal``.
+
+  Returns:
+    ``y``, unchanged in value and gradient.
+
+  Raises:
+    ValueError: for an ``approx`` that is not one of the kind's (at scan
+      time).
+
+  Example:
+    >>> y = kl.register_scale_and_shift(x_hat * scale + shift, x_hat, scale,
+    ...                                 shift)
   """
   params = (scale,) if shift is None else (scale, shift)
   return _layer_tag("scale_and_shift", y, (x,), params,
@@ -344,7 +472,13 @@ def register_generic(params, *, approx: Optional[str] = None):
     approx: ``diagonal`` (default) or ``full``.
 
   Returns:
-    ``params``, unchanged.
+    ``params``, unchanged in value and gradient.
+
+  Raises:
+    ValueError: if ``params`` holds no arrays.
+
+  Example:
+    >>> temperature = kl.register_generic(params["temperature"])
   """
   leaves, treedef = jax.tree.flatten(params)
   if not leaves:
@@ -426,6 +560,15 @@ def register_categorical_predictive_distribution(logits, targets=None, *,
 
   Returns:
     ``logits``, unchanged.
+
+  Raises:
+    ValueError: for a mask that does not broadcast to the leading shape,
+      a non-positive ``weight`` or ``var``, or (categorical) 1-D logits.
+    TypeError: if ``weight`` or ``var`` is not a Python float.
+
+  Example:
+    >>> logits = kl.register_categorical_predictive_distribution(
+    ...     logits, labels)             # logits [B, V] or [B, T, V]
   """
   return _loss_tag("categorical", logits, targets,
                    "register_categorical_predictive_distribution",
@@ -460,6 +603,15 @@ def register_normal_predictive_distribution(mean, targets=None, *,
 
   Returns:
     ``mean``, unchanged.
+
+  Raises:
+    ValueError: for a mask that does not broadcast to the leading shape,
+      a non-positive ``weight`` or ``var``, or (categorical) 1-D logits.
+    TypeError: if ``weight`` or ``var`` is not a Python float.
+
+  Example:
+    >>> y_hat = kl.register_normal_predictive_distribution(y_hat, y)
+    >>> loss = jnp.sum((y_hat - y) ** 2, axis=-1).mean()
   """
   return _loss_tag("normal", mean, targets,
                    "register_normal_predictive_distribution",
@@ -488,6 +640,15 @@ def register_multi_bernoulli_predictive_distribution(logits, targets=None, *,
 
   Returns:
     ``logits``, unchanged.
+
+  Raises:
+    ValueError: for a mask that does not broadcast to the leading shape,
+      a non-positive ``weight`` or ``var``, or (categorical) 1-D logits.
+    TypeError: if ``weight`` or ``var`` is not a Python float.
+
+  Example:
+    >>> logits = kl.register_multi_bernoulli_predictive_distribution(
+    ...     logits, pixels)
   """
   return _loss_tag("multi_bernoulli", logits, targets,
                    "register_multi_bernoulli_predictive_distribution",

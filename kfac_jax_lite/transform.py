@@ -169,6 +169,20 @@ def scale_by_kfac(collection: LayerCollection, *,
     finite, the state's counters, key and caches stay as they are and
     ``state.last_finite`` is False (the direction is then not finite
     either; :func:`skip_nonfinite` skips such steps).
+
+  Raises:
+    ValueError: for a negative ``learning_rate`` or ``norm_constraint``,
+      a period below 1, an unknown ``estimation_mode``, an ``estimator``
+      whose ``exps`` lack ``power``; at ``update``, without ``params``,
+      with neither or both of ``batch=`` and ``stats=``, or with params
+      that do not match ``collection``.
+
+  Example:
+    >>> tx = optax.chain(
+    ...     kl.scale_by_kfac(collection, damping=1e-2),
+    ...     optax.scale_by_learning_rate(1e-2))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params, batch=batch)
   """
   check_nonnegative("learning_rate", learning_rate)
   if norm_constraint is not None:
@@ -208,7 +222,18 @@ def scale_by_kfac(collection: LayerCollection, *,
 
 
 class SkipNonFiniteState(NamedTuple):
-  """State of :func:`skip_nonfinite`."""
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    num_skipped: ``[]`` int32, the number of steps skipped so far.
+    last_finite: ``[]`` bool, whether the last step was applied.
+    inner: the wrapped transformation's state (for :func:`kfac`, the tuple
+      of its chain's states, the first a ``CurvatureState``).
+
+  Example:
+    >>> state = kl.kfac(1e-2, collection).init(params)
+    >>> state.num_skipped, state.inner[0].count
+  """
   num_skipped: jnp.ndarray  # [] int32, steps skipped
   last_finite: jnp.ndarray  # [] bool, the last step was applied
   inner: Any                # the wrapped transformation's state
@@ -265,6 +290,22 @@ def skip_nonfinite(inner: optax.GradientTransformation,
   The inner update always runs and its results are selected with
   ``jnp.where``; the curvature states guard themselves, so their factors
   and caches are never copied through a select or a conditional.
+
+  Args:
+    inner: the transformation to guard (an ``optax.chain`` holding
+      :func:`scale_by_kfac`, or any other).
+    axis_name: the data-parallel axis over which finiteness is agreed when
+      ``inner`` holds no curvature state; None outside ``pmap``/
+      ``shard_map``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`SkipNonFiniteState`; extra arguments go to ``inner``.
+
+  Example:
+    >>> tx = kl.skip_nonfinite(optax.chain(
+    ...     kl.scale_by_kfac(collection, power=-0.5),
+    ...     optax.scale_by_learning_rate(1e-2)))
   """
   inner = optax.with_extra_args_support(inner)
 
@@ -338,13 +379,13 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   (decoupled weight decay ``η`` after preconditioning, as TF K-FAC's
   ``use_weight_decay``; ``ν`` the KL-clipping coefficient). It is
 
-  .. code-block:: python
-
-    skip_nonfinite(optax.chain(
-        scale_by_kfac(collection, learning_rate=learning_rate, ...),
-        optax.add_decayed_weights(weight_decay),  # if weight_decay
-        optax.trace(decay=momentum),              # if momentum
-        optax.scale_by_learning_rate(learning_rate)))
+  ```python
+  skip_nonfinite(optax.chain(
+      scale_by_kfac(collection, learning_rate=learning_rate, ...),
+      optax.add_decayed_weights(weight_decay),  # if weight_decay
+      optax.trace(decay=momentum),              # if momentum
+      optax.scale_by_learning_rate(learning_rate)))
+  ```
 
   (the same updates and state); build that chain for the options of
   :func:`scale_by_kfac` not listed here (``power``,
@@ -354,10 +395,40 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     learning_rate: α, a float or schedule.
     collection: from :func:`kfac_jax_lite.scan`.
     momentum: μ (0 disables momentum).
-    weight_decay: η.
-    damping, cov_ema_decay, cov_update_period, inverse_update_period,
-      estimation_mode, norm_constraint, axis_name, stats_sync,
-      distributed_inverses, seed, estimator: see :func:`scale_by_kfac`.
+    weight_decay: η, non-negative.
+    damping: λ, a float or schedule (see :func:`scale_by_kfac`).
+    cov_ema_decay: EMA decay of the factors (see :func:`scale_by_kfac`).
+    cov_update_period: update the statistics every this many steps.
+    inverse_update_period: refresh the damped inverses every this many
+      steps.
+    estimation_mode: how the statistics sample the Fisher (see
+      :func:`scale_by_kfac`).
+    norm_constraint: ``C`` of KL clipping, or None.
+    axis_name: the ``pmap``/``shard_map`` axis of data parallelism.
+    stats_sync: when the factors are averaged over ``axis_name``.
+    distributed_inverses: split the refresh across the devices of
+      ``axis_name``.
+    seed: seed of the sampling key kept in the state.
+    estimator: a :class:`~kfac_jax_lite.FisherEstimator` of ``collection``
+      for the estimator options without a keyword here.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` of descent updates (add
+    them with ``optax.apply_updates``), state :class:`SkipNonFiniteState`;
+    its ``update`` takes ``params`` and exactly one of ``batch=`` or
+    ``stats=``.
+
+  Raises:
+    ValueError: for a negative ``momentum`` or ``weight_decay``, and as
+      :func:`scale_by_kfac`.
+
+  Example:
+    >>> collection = kl.scan(loss_fn, params, batch)
+    >>> tx = kl.kfac(1e-2, collection, damping=1e-2)
+    >>> opt_state = tx.init(params)
+    >>> grads = jax.grad(loss_fn)(params, batch)
+    >>> updates, opt_state = tx.update(grads, opt_state, params, batch=batch)
+    >>> params = optax.apply_updates(params, updates)
 
   Works under ``optax.inject_hyperparams`` (``learning_rate``, ``damping``,
   ``momentum``, ``weight_decay`` injectable; it makes every number an
