@@ -27,6 +27,7 @@ from kfac_jax_lite.tags import register_depthwise_conv2d
 from kfac_jax_lite.tags import register_embedding
 from kfac_jax_lite.tags import register_fully_connected
 from kfac_jax_lite.tags import register_generic
+from kfac_jax_lite.tags import register_loss_function
 from kfac_jax_lite.tags import register_multi_bernoulli_predictive_distribution
 from kfac_jax_lite.tags import register_normal_predictive_distribution
 from kfac_jax_lite.tags import register_scale_and_shift

@@ -1,4 +1,4 @@
-r"""The three predictive distributions: NLL, sampling, Fisher and GGN factors.
+r"""The registered losses: NLL, sampling, Fisher and GGN factors.
 
 A loss tag's ``z`` has shape ``[..., E]``: the last axis is one position's
 event (the ``V`` classes of a categorical, the ``d`` coordinates of a Normal
@@ -30,6 +30,14 @@ Normal (fixed ``var``): :math:`F_R = I/\mathrm{var}`,
 :math:`B = \mathrm{var}^{-1/2} I`.
 Multi-Bernoulli: :math:`F_R = \mathrm{diag}(p(1-p))`,
 :math:`B = \mathrm{diag}(\sqrt{p(1-p)})`.
+
+Two final classes share the interface :class:`PositionLoss` (positions,
+means, and the scales and exact-mode columns every estimation mode needs):
+:class:`LossSpec` for those three distributions and
+:class:`~kfac_jax_lite.custom_losses.CustomLossSpec` for a user's
+per-position loss function (its curvature from autodiff Hessians). Factor
+products take the targets ``y`` too (a custom loss's Hessian may depend on
+them; the three distributions ignore them).
 """
 
 from __future__ import annotations
@@ -61,24 +69,16 @@ def num_positions(shape) -> int:
   return int(math.prod(leading_shape(shape)))
 
 
-@dataclasses.dataclass(frozen=True)
-class LossSpec:
-  """A registered loss tag (static description).
+class PositionLoss:
+  """The interface of a registered loss, and its shared, final methods.
 
-  Attributes:
-    kind: ``categorical``, ``normal`` or ``multi_bernoulli``.
-    weight: multiplies this loss's Fisher contribution (TF's ``coeff``).
-    var: the Normal's variance (``normal`` only).
-    has_targets: whether targets were passed at the tag.
-    shape: the shape of ``z`` at scan time.
-    has_mask: whether a ``mask`` was passed at the tag.
+  A subclass is a frozen dataclass with the fields ``kind``, ``weight``,
+  ``has_targets``, ``shape`` and ``has_mask`` and the per-position methods
+  ``nll``, ``nll_grad``, ``sample``, ``fisher_factor``,
+  ``fisher_factor_transpose``, ``multiply_fisher``, ``ggn_factor``,
+  ``ggn_factor_transpose``, ``multiply_ggn`` and ``check_mode``; what
+  follows (positions, means, scales, exact-mode columns) derives from them.
   """
-  kind: str
-  weight: float = 1.0
-  var: float = 0.5
-  has_targets: bool = False
-  shape: tuple = ()
-  has_mask: bool = False
 
   # ---- positions --------------------------------------------------------
   def keep(self, z, mask):
@@ -98,24 +98,6 @@ class LossSpec:
     """``x`` (of the leading shape) broadcastable against ``z``."""
     return x[..., None] if z.ndim >= 2 else x
 
-  # ---- per-position log-likelihood -------------------------------------
-  def nll(self, z, y):
-    """Per-position negative log-likelihood, of the leading shape."""
-    z = _up(z)
-    if self.kind == "categorical":
-      logp = jax.nn.log_softmax(z, axis=-1)
-      y = y.astype(jnp.int32)
-      return -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
-    if self.kind == "normal":
-      val = (0.5 / self.var) * jnp.square(y.astype(z.dtype) - z)
-      val = val + 0.5 * math.log(2 * math.pi * self.var)
-    elif self.kind == "multi_bernoulli":
-      y = y.astype(z.dtype)
-      val = jnp.logaddexp(0.0, z) - y * z
-    else:
-      raise ValueError(f"Unknown loss kind {self.kind!r}.")
-    return val.sum(axis=-1) if z.ndim >= 2 else val
-
   def mean_nll(self, z, y, mask=None):
     """The registered loss without its weight: the mean of :meth:`nll`
     over the (kept) positions; 0 when every position is masked."""
@@ -125,70 +107,6 @@ class LossSpec:
     keep = self.keep(z, mask)
     return jnp.sum(jnp.where(keep, val, 0.0)) / jnp.maximum(
         self.count(z, mask), 1).astype(val.dtype)
-
-  def nll_grad(self, z, y):
-    """:math:`\\partial\\, \\mathrm{nll}_n / \\partial z_n`, per position."""
-    z32 = _up(z)
-    if self.kind == "categorical":
-      p = jax.nn.softmax(z32, axis=-1)
-      return p - jax.nn.one_hot(y, z.shape[-1], dtype=z32.dtype)
-    if self.kind == "normal":
-      return (z32 - y.astype(z32.dtype)) / self.var
-    if self.kind == "multi_bernoulli":
-      return jax.nn.sigmoid(z32) - y.astype(z32.dtype)
-    raise ValueError(f"Unknown loss kind {self.kind!r}.")
-
-  def sample(self, key, z):
-    """Draws targets ``y ~ p(y | z)`` (same layout as data targets).
-
-    ``key``: a key of :mod:`kfac_jax_lite.keys` (``uint32`` words, or any
-    jax.random key); the uniforms come from :func:`keys.uniform`.
-    Categorical by the Gumbel-max trick, ``argmax(z - log(-log u))``;
-    Normal by the inverse CDF, ``z + sqrt(var) Φ⁻¹(u)``; Bernoulli as
-    ``u < sigmoid(z)``. Every position draws independently.
-    """
-    z32 = jax.lax.stop_gradient(_up(z))
-    u = keys.uniform(key, z.shape, z32.dtype)
-    if self.kind == "categorical":
-      return jnp.argmax(z32 - jnp.log(-jnp.log(u)), axis=-1)
-    if self.kind == "normal":
-      return z32 + math.sqrt(self.var) * jax.scipy.special.ndtri(u)
-    if self.kind == "multi_bernoulli":
-      return (u < jax.nn.sigmoid(z32)).astype(z32.dtype)
-    raise ValueError(f"Unknown loss kind {self.kind!r}.")
-
-  # ---- Fisher factor products (per position) ----------------------------
-  def fisher_factor(self, z, v):
-    """:math:`B v` with ``v`` of z's shape; :math:`F_R = B B^T`."""
-    z = _up(z)
-    if self.kind == "categorical":
-      p = jax.nn.softmax(z, axis=-1)
-      q = jnp.sqrt(p)
-      return q * v - p * jnp.sum(q * v, axis=-1, keepdims=True)
-    if self.kind == "normal":
-      return v / math.sqrt(self.var)
-    if self.kind == "multi_bernoulli":
-      p = jax.nn.sigmoid(z)
-      return jnp.sqrt(p * (1 - p)) * v
-    raise ValueError(f"Unknown loss kind {self.kind!r}.")
-
-  def fisher_factor_transpose(self, z, u):
-    """:math:`B^T u`."""
-    z = _up(z)
-    if self.kind == "categorical":
-      p = jax.nn.softmax(z, axis=-1)
-      q = jnp.sqrt(p)
-      return q * u - q * jnp.sum(p * u, axis=-1, keepdims=True)
-    return self.fisher_factor(z, u)
-
-  def multiply_fisher(self, z, v):
-    """:math:`F_R v` per position (exact, no sampling)."""
-    return self.fisher_factor(z, self.fisher_factor_transpose(z, v))
-
-  # Natural parameters: GGN == Fisher for all three distributions.
-  ggn_factor = fisher_factor
-  ggn_factor_transpose = fisher_factor_transpose
-  multiply_ggn = multiply_fisher
 
   # ---- what the statistics and the Fisher products need -----------------
   def positions_per_example(self, z, examples: int) -> int:
@@ -210,10 +128,11 @@ class LossSpec:
           "loss on [B, ..., E] or on its reshape(-1, E).")
     return n // examples
 
-  def factor_columns(self, z, examples: int):
+  def factor_columns(self, z, examples: int, y=None, ggn: bool = False):
     """All columns :math:`B e_k` of one example, replicated over the
     batch: ``[K, *z.shape]``, ``K = k·E`` (``k`` positions per example,
-    ``E`` the event size).
+    ``E`` the event size); ``B`` the Fisher factor, or with ``ggn`` the
+    GGN factor, at targets ``y``.
 
     Used by the ``exact`` modes: summing :math:`(J^T B e_k)(J^T B e_k)^T`
     over ``k`` gives :math:`\\sum_n J_n^T F_R J_n` without sampling noise,
@@ -221,18 +140,19 @@ class LossSpec:
     positions of one example are never mixed). Built with ``vmap`` over
     ``k``, never a Python loop.
     """
+    factor = self.ggn_factor if ggn else self.fisher_factor
     if z.ndim and z.shape[0] == examples:   # [B, *inner]
-      inner, zr = z.shape[1:], z
+      inner, zr, yr = z.shape[1:], z, y
     else:                                   # flattened: [B·k, ...]
       k = self.positions_per_example(z, examples)
       inner = (k,) + z.shape[len(leading_shape(z.shape)):]
       zr = z.reshape((examples,) + inner)
+      yr = None if y is None else y.reshape((examples, k) + y.shape[1:])
     size = int(math.prod(inner))
 
     def column(i):
       e = jax.nn.one_hot(i, size, dtype=_up(z).dtype).reshape(inner)
-      return self.fisher_factor(zr, jnp.broadcast_to(e, zr.shape)
-                                ).reshape(z.shape)
+      return factor(zr, jnp.broadcast_to(e, zr.shape), yr).reshape(z.shape)
     return jax.vmap(column)(jnp.arange(size))
 
   def cotangent_scale(self, z, mask, examples: int, sources: int = 1):
@@ -272,7 +192,121 @@ class LossSpec:
                                         jnp.where(keep, jvs, 0.0), fjvs)
 
 
-def make_loss_spec(kind: str, meta: dict, shape) -> LossSpec:
+@dataclasses.dataclass(frozen=True)
+class LossSpec(PositionLoss):
+  """A registered loss tag of one of the three distributions (static).
+
+  Attributes:
+    kind: ``categorical``, ``normal`` or ``multi_bernoulli``.
+    weight: multiplies this loss's Fisher contribution (TF's ``coeff``).
+    var: the Normal's variance (``normal`` only).
+    has_targets: whether targets were passed at the tag.
+    shape: the shape of ``z`` at scan time.
+    has_mask: whether a ``mask`` was passed at the tag.
+  """
+  kind: str
+  weight: float = 1.0
+  var: float = 0.5
+  has_targets: bool = False
+  shape: tuple = ()
+  has_mask: bool = False
+
+  # ---- per-position log-likelihood -------------------------------------
+  def nll(self, z, y):
+    """Per-position negative log-likelihood, of the leading shape."""
+    z = _up(z)
+    if self.kind == "categorical":
+      logp = jax.nn.log_softmax(z, axis=-1)
+      y = y.astype(jnp.int32)
+      return -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+    if self.kind == "normal":
+      val = (0.5 / self.var) * jnp.square(y.astype(z.dtype) - z)
+      val = val + 0.5 * math.log(2 * math.pi * self.var)
+    elif self.kind == "multi_bernoulli":
+      y = y.astype(z.dtype)
+      val = jnp.logaddexp(0.0, z) - y * z
+    else:
+      raise ValueError(f"Unknown loss kind {self.kind!r}.")
+    return val.sum(axis=-1) if z.ndim >= 2 else val
+
+  def nll_grad(self, z, y):
+    """:math:`\\partial\\, \\mathrm{nll}_n / \\partial z_n`, per position."""
+    z32 = _up(z)
+    if self.kind == "categorical":
+      p = jax.nn.softmax(z32, axis=-1)
+      return p - jax.nn.one_hot(y, z.shape[-1], dtype=z32.dtype)
+    if self.kind == "normal":
+      return (z32 - y.astype(z32.dtype)) / self.var
+    if self.kind == "multi_bernoulli":
+      return jax.nn.sigmoid(z32) - y.astype(z32.dtype)
+    raise ValueError(f"Unknown loss kind {self.kind!r}.")
+
+  def sample(self, key, z):
+    """Draws targets ``y ~ p(y | z)`` (same layout as data targets).
+
+    ``key``: a key of :mod:`kfac_jax_lite.keys` (``uint32`` words, or any
+    jax.random key); the uniforms come from :func:`keys.uniform`.
+    Categorical by the Gumbel-max trick, ``argmax(z - log(-log u))``;
+    Normal by the inverse CDF, ``z + sqrt(var) Φ⁻¹(u)``; Bernoulli as
+    ``u < sigmoid(z)``. Every position draws independently.
+    """
+    z32 = jax.lax.stop_gradient(_up(z))
+    u = keys.uniform(key, z.shape, z32.dtype)
+    if self.kind == "categorical":
+      return jnp.argmax(z32 - jnp.log(-jnp.log(u)), axis=-1)
+    if self.kind == "normal":
+      return z32 + math.sqrt(self.var) * jax.scipy.special.ndtri(u)
+    if self.kind == "multi_bernoulli":
+      return (u < jax.nn.sigmoid(z32)).astype(z32.dtype)
+    raise ValueError(f"Unknown loss kind {self.kind!r}.")
+
+  # ---- Fisher factor products (per position) ----------------------------
+  def check_mode(self, mode: str, index: int):
+    """Every estimation mode works with the three distributions."""
+    del mode, index
+
+  def fisher_factor(self, z, v, y=None):
+    """:math:`B v` with ``v`` of z's shape; :math:`F_R = B B^T`."""
+    del y  # F_R depends on z only.
+    z = _up(z)
+    if self.kind == "categorical":
+      p = jax.nn.softmax(z, axis=-1)
+      q = jnp.sqrt(p)
+      return q * v - p * jnp.sum(q * v, axis=-1, keepdims=True)
+    if self.kind == "normal":
+      return v / math.sqrt(self.var)
+    if self.kind == "multi_bernoulli":
+      p = jax.nn.sigmoid(z)
+      return jnp.sqrt(p * (1 - p)) * v
+    raise ValueError(f"Unknown loss kind {self.kind!r}.")
+
+  def fisher_factor_transpose(self, z, u, y=None):
+    """:math:`B^T u`."""
+    del y
+    z = _up(z)
+    if self.kind == "categorical":
+      p = jax.nn.softmax(z, axis=-1)
+      q = jnp.sqrt(p)
+      return q * u - q * jnp.sum(p * u, axis=-1, keepdims=True)
+    return self.fisher_factor(z, u)
+
+  def multiply_fisher(self, z, v, y=None):
+    """:math:`F_R v` per position (exact, no sampling)."""
+    del y
+    return self.fisher_factor(z, self.fisher_factor_transpose(z, v))
+
+  # Natural parameters: GGN == Fisher for all three distributions.
+  ggn_factor = fisher_factor
+  ggn_factor_transpose = fisher_factor_transpose
+  multiply_ggn = multiply_fisher
+
+
+def make_loss_spec(kind: str, meta: dict, shape) -> PositionLoss:
+  """The loss of a tag: its kind, static metadata and ``z``'s shape."""
+  if kind == "custom":
+    # Imported here: custom_losses builds on this module.
+    from kfac_jax_lite import custom_losses  # pylint: disable=g-import-not-at-top
+    return custom_losses.make_spec(meta, shape)
   return LossSpec(kind=kind, weight=float(meta.get("weight", 1.0)),
                   var=float(meta.get("var", 0.5)),
                   has_targets=bool(meta.get("has_targets", False)),
