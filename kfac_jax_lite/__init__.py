@@ -14,6 +14,11 @@ from kfac_jax_lite.estimator import EstimatorState
 from kfac_jax_lite.estimator import FisherEstimator
 from kfac_jax_lite.estimator import Stats
 from kfac_jax_lite.estimator import value_grad_and_stats
+from kfac_jax_lite.evaluation import eval_losses
+from kfac_jax_lite.evaluation import eval_losses_on_samples
+from kfac_jax_lite.evaluation import loss_value
+from kfac_jax_lite.evaluation import total_loss
+from kfac_jax_lite.evaluation import total_sampled_loss
 from kfac_jax_lite.losses import LossSpec
 from kfac_jax_lite.optimizer import KFACOptimizerState
 from kfac_jax_lite.optimizer import kfac_optimizer
