@@ -19,6 +19,7 @@ from kfac_jax_lite.evaluation import eval_losses_on_samples
 from kfac_jax_lite.evaluation import loss_value
 from kfac_jax_lite.evaluation import total_loss
 from kfac_jax_lite.evaluation import total_sampled_loss
+from kfac_jax_lite.linked import link_parameters
 from kfac_jax_lite.losses import LossSpec
 from kfac_jax_lite.optimizer import KFACOptimizerState
 from kfac_jax_lite.optimizer import kfac_optimizer

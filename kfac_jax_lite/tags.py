@@ -339,6 +339,10 @@ def register_generic(params, *, approx: Optional[str] = None):
   :math:`F \\approx \\frac{1}{B} (\\sum_b g_b)(\\sum_b g_b)^T` (TF K-FAC's
   ``NaiveFullFB`` / ``NaiveDiagonalFB``).
 
+  Several leaves make *one* block over their concatenation (linked
+  parameters, TF K-FAC's ``define_linked_parameters``; by path from
+  outside the model: :func:`~kfac_jax_lite.link_parameters`).
+
   Args:
     params: an array, or a pytree of arrays, that are parameter leaves.
     approx: ``diagonal`` (default) or ``full``.
