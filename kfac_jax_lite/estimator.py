@@ -148,6 +148,7 @@ class FisherEstimator:
         exps=exps, compute_cholesky=self.compute_cholesky,
         compute_cholesky_inverse=self.compute_cholesky_inverse,
         damping_type=self.damping_type)
+    blocks_lib.check_overrides(self.collection.layers, self.block_factories)
     object.__setattr__(self, "_blocks", tuple(
         blocks_lib.make_block(l, config, overrides=self.block_factories)
         for l in self.collection.layers))
@@ -416,10 +417,12 @@ class FisherEstimator:
     return self.multiply_matpower(state, v, -1)
 
   def multiply_cholesky(self, state, v, transpose=False):
+    blocks_lib.check_cholesky(self.blocks, "multiply_cholesky")
     return self._apply(state, v, lambda b, s, x: b.multiply_cholesky(
         s, x, transpose))
 
   def multiply_cholesky_inverse(self, state, v, transpose=False):
+    blocks_lib.check_cholesky(self.blocks, "multiply_cholesky_inverse")
     return self._apply(state, v, lambda b, s, x: b.multiply_cholesky_inverse(
         s, x, transpose))
 
