@@ -76,6 +76,7 @@ class CustomLossSpec(losses.PositionLoss):
   shape: tuple = ()
   has_mask: bool = False
   kind: str = "custom"
+  targets_in_curvature = True  # H_n may depend on y_n (a Huber loss).
 
   # ---- layout -----------------------------------------------------------
   @property

@@ -76,8 +76,10 @@ class PositionLoss:
   ``has_targets``, ``shape`` and ``has_mask`` and the per-position methods
   ``nll``, ``nll_grad``, ``sample``, ``fisher_factor``,
   ``fisher_factor_transpose``, ``multiply_fisher``, ``ggn_factor``,
-  ``ggn_factor_transpose``, ``multiply_ggn`` and ``check_mode``; what
-  follows (positions, means, scales, exact-mode columns) derives from them.
+  ``ggn_factor_transpose``, ``multiply_ggn`` and ``check_mode``, and the
+  class attribute ``targets_in_curvature`` (whether the factors read the
+  targets); what follows (positions, means, scales, exact-mode columns)
+  derives from them.
   """
 
   # ---- positions --------------------------------------------------------
@@ -141,6 +143,7 @@ class PositionLoss:
     ``k``, never a Python loop.
     """
     factor = self.ggn_factor if ggn else self.fisher_factor
+    y = y if self.targets_in_curvature else None
     if z.ndim and z.shape[0] == examples:   # [B, *inner]
       inner, zr, yr = z.shape[1:], z, y
     else:                                   # flattened: [B·k, ...]
@@ -210,6 +213,7 @@ class LossSpec(PositionLoss):
   has_targets: bool = False
   shape: tuple = ()
   has_mask: bool = False
+  targets_in_curvature = False  # F_R depends on z only.
 
   # ---- per-position log-likelihood -------------------------------------
   def nll(self, z, y):

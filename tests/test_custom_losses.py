@@ -82,12 +82,20 @@ def _user_loss(name, z, batch, masked):
   return jnp.sum(per * batch["mask"]) / jnp.sum(batch["mask"])
 
 
-def _loss_fn(name, masked, sampler=None):
+def _loss_fn(name, masked, sampler=None, flat=False):
+  """The user's loss with the tag on ``[B, T, E]`` or, with ``flat``, on
+  its ``[B·T, E]`` flattening (targets and mask flattened alike)."""
   def loss_fn(params, batch):
     z = _model(params, batch["x"])
-    z = kl.register_loss_function(
-        z, batch["y"], loss_fn=FNS[name], sampler=sampler,
-        mask=batch["mask"] if masked else None)
+    y, mask = batch["y"], batch["mask"] if masked else None
+    if flat:
+      kl.register_loss_function(
+          z.reshape(B * T, E), y.reshape((B * T,) + y.shape[2:]),
+          loss_fn=FNS[name], sampler=sampler,
+          mask=None if mask is None else mask.reshape(-1))
+    else:
+      z = kl.register_loss_function(z, y, loss_fn=FNS[name],
+                                    sampler=sampler, mask=mask)
     return _user_loss(name, z, batch, masked)
   return loss_fn
 
@@ -127,6 +135,8 @@ def test_exact_ggn_is_that_of_the_users_mean_loss(name, masked):
   got = _full_fisher(_loss_fn(name, masked), params, batch)
   np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
   assert np.abs(want).max() > 1e-2
+  flat = _full_fisher(_loss_fn(name, masked, flat=True), params, batch)
+  np.testing.assert_allclose(flat, want, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", LOSSES)
