@@ -309,7 +309,8 @@ def make_loss_spec(kind: str, meta: dict, shape) -> PositionLoss:
   """The loss of a tag: its kind, static metadata and ``z``'s shape."""
   if kind == "custom":
     # Imported here: custom_losses builds on this module.
-    from kfac_jax_lite import custom_losses  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from kfac_jax_lite import custom_losses
     return custom_losses.make_spec(meta, shape)
   return LossSpec(kind=kind, weight=float(meta.get("weight", 1.0)),
                   var=float(meta.get("var", 0.5)),

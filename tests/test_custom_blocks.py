@@ -26,7 +26,8 @@ def _doc_example() -> dict:
                                 re.S) if "class IsotropicKronBlock" in c]
   assert len(code) == 1
   namespace = {}
-  exec(compile(code[0], str(DOC), "exec"), namespace)  # pylint: disable=exec-used
+  # pylint: disable-next=exec-used
+  exec(compile(code[0], str(DOC), "exec"), namespace)
   return namespace
 
 

@@ -50,7 +50,8 @@ GROUP = ("['enc']['w']", "['dec']['w']")
 def test_linked_leaves_are_one_block_over_their_concatenation(how, approx):
   """Empirical mode: the cotangent of each position is its NLL gradient
   (``w = 1``, ``N = B``), so the summed source gradient is ``B ∇L`` and the
-  block ``(1/B)(B ∇L)(B ∇L)ᵀ = B ∇L ∇Lᵀ`` over ``[vec W_enc; vec W_dec]``
+  block ``(1/B)(B ∇L)(B ∇L)ᵀ = B ∇L ∇Lᵀ`` over
+  ``[vec W_enc; vec W_dec]``
   (its diagonal for ``diagonal``)."""
   params, batch = _problem()
   fn = (_tagged if how == "tag" else
