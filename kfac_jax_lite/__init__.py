@@ -14,6 +14,12 @@ from kfac_jax_lite.estimator import EstimatorState
 from kfac_jax_lite.estimator import FisherEstimator
 from kfac_jax_lite.estimator import Stats
 from kfac_jax_lite.estimator import value_grad_and_stats
+from kfac_jax_lite.evaluation import eval_losses
+from kfac_jax_lite.evaluation import eval_losses_on_samples
+from kfac_jax_lite.evaluation import loss_value
+from kfac_jax_lite.evaluation import total_loss
+from kfac_jax_lite.evaluation import total_sampled_loss
+from kfac_jax_lite.linked import link_parameters
 from kfac_jax_lite.losses import LossSpec
 from kfac_jax_lite.optimizer import KFACOptimizerState
 from kfac_jax_lite.optimizer import kfac_optimizer
@@ -27,6 +33,7 @@ from kfac_jax_lite.tags import register_depthwise_conv2d
 from kfac_jax_lite.tags import register_embedding
 from kfac_jax_lite.tags import register_fully_connected
 from kfac_jax_lite.tags import register_generic
+from kfac_jax_lite.tags import register_loss_function
 from kfac_jax_lite.tags import register_multi_bernoulli_predictive_distribution
 from kfac_jax_lite.tags import register_normal_predictive_distribution
 from kfac_jax_lite.tags import register_scale_and_shift

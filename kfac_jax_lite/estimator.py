@@ -158,6 +158,7 @@ class FisherEstimator:
         exps=exps, compute_cholesky=self.compute_cholesky,
         compute_cholesky_inverse=self.compute_cholesky_inverse,
         damping_type=self.damping_type)
+    blocks_lib.check_overrides(self.collection.layers, self.block_factories)
     object.__setattr__(self, "_blocks", tuple(
         blocks_lib.make_block(l, config, overrides=self.block_factories)
         for l in self.collection.layers))
@@ -549,6 +550,7 @@ class FisherEstimator:
     Returns:
       ``C v`` (or ``Cᵀ v``), params-shaped.
     """
+    blocks_lib.check_cholesky(self.blocks, "multiply_cholesky")
     return self._apply(state, v, lambda b, s, x: b.multiply_cholesky(
         s, x, transpose))
 
@@ -564,6 +566,7 @@ class FisherEstimator:
     Returns:
       ``C⁻¹ v`` (or ``C⁻ᵀ v``), params-shaped.
     """
+    blocks_lib.check_cholesky(self.blocks, "multiply_cholesky_inverse")
     return self._apply(state, v, lambda b, s, x: b.multiply_cholesky_inverse(
         s, x, transpose))
 

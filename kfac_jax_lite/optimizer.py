@@ -38,6 +38,7 @@ import optax
 
 from kfac_jax_lite import curvature as curvature_lib
 from kfac_jax_lite import estimator as estimator_lib
+from kfac_jax_lite import evaluation
 from kfac_jax_lite import linalg
 from kfac_jax_lite import statistics
 from kfac_jax_lite import transform
@@ -328,10 +329,8 @@ def kfac_optimizer(collection: LayerCollection, *,
     updates = transform.zero_unless(finite, velocity)
 
     def adapt(new_params):
-      out = collection.loss_fn(new_params, batch)
-      new_loss = (out[0] if collection.has_aux else out).astype(dt)
-      if axis_name is not None:
-        new_loss = lax.pmean(new_loss, axis_name)
+      new_loss = evaluation.loss_value(collection, new_params, batch,
+                                       axis_name=axis_name, dtype=dt)
       rho = (new_loss - loss.astype(dt)) / change
       return lm_damping_update(lam, rho, decay=omega, min_damping=floor), (
           rho, new_loss)

@@ -93,6 +93,9 @@ def _scaled(scale, x):
 def _loss_cotangents(mode, specs, zs, targets, masks, key, num_samples,
                      examples):
   """Per loss, the stacked cotangents ``[S, *z.shape]`` (same S for all)."""
+  for i, spec in enumerate(specs):
+    spec.check_mode(mode, i)
+  ggn = mode.endswith("_GGN")
   if mode == "empirical":
     out = []
     for i, (spec, z, y, m) in enumerate(zip(specs, zs, targets, masks)):
@@ -106,8 +109,8 @@ def _loss_cotangents(mode, specs, zs, targets, masks, key, num_samples,
     return out
   if mode in ("exact", "exact_GGN"):
     cols = [_scaled(s.cotangent_scale(z, m, examples),
-                    s.factor_columns(z, examples))
-            for s, z, m in zip(specs, zs, masks)]
+                    s.factor_columns(z, examples, y, ggn))
+            for s, z, y, m in zip(specs, zs, targets, masks)]
     total = sum(c.shape[0] for c in cols)
     out, offset = [], 0
     for c in cols:
@@ -116,7 +119,7 @@ def _loss_cotangents(mode, specs, zs, targets, masks, key, num_samples,
       offset += c.shape[0]
     return out
   out = []
-  for i, (spec, z, m) in enumerate(zip(specs, zs, masks)):
+  for i, (spec, z, y, m) in enumerate(zip(specs, zs, targets, masks)):
     scale = spec.cotangent_scale(z, m, examples, num_samples)
     # Hashed keys and draws: no threefry in the step (kfac_jax_lite.keys).
     ks = keys_lib.sample_keys(key, i, num_samples)
@@ -124,11 +127,11 @@ def _loss_cotangents(mode, specs, zs, targets, masks, key, num_samples,
       ct = jax.vmap(lambda kk, z=z, spec=spec: spec.nll_grad(
           z, spec.sample(kk, z)))(ks)
     else:  # curvature_prop(_GGN): B r with Rademacher r.
-      def one(kk, z=z, spec=spec):
+      def one(kk, z=z, y=y, spec=spec):
         dt = jnp.promote_types(z.dtype, jnp.float32)
         r = jnp.where(keys_lib.uniform(kk, z.shape) < 0.5, -1.0, 1.0
                       ).astype(dt)
-        return spec.fisher_factor(z, r)
+        return (spec.ggn_factor if ggn else spec.fisher_factor)(z, r, y)
       ct = jax.vmap(one)(ks)
     out.append(_scaled(scale, ct))
   return out
@@ -258,8 +261,10 @@ def output_fisher_gram(lin: Linearized, jvs) -> jnp.ndarray:
     The ``[k, k]`` Gram matrix (this replica's, not averaged).
   """
   gram = 0.0
-  for spec, z, m, jv in zip(lin.collection.losses, lin.zs, lin.masks, jvs):
-    fjv = jax.vmap(lambda v, z=z, spec=spec: spec.multiply_fisher(z, v))(jv)
+  for spec, z, y, m, jv in zip(lin.collection.losses, lin.zs, lin.targets,
+                               lin.masks, jvs):
+    fjv = jax.vmap(lambda v, z=z, y=y, spec=spec: spec.multiply_fisher(
+        z, v, y))(jv)
     gram = gram + spec.fisher_gram(z, m, jv, fjv)
   return gram
 

@@ -78,3 +78,46 @@ def check_embedding(y, ids, table):
       raise ValueError(
           f"{fn}: ids range over [{lo}, {hi}], outside the vocabulary "
           f"[0, {table.shape[0]}). Clip or remap the ids.")
+
+
+def check_loss_function(z, targets, loss_fn, sampler, fn):
+  """Checks ``register_loss_function``'s callables at trace time.
+
+  ``loss_fn`` (and ``sampler``) must be static: hashable, closing over no
+  traced value, and ``loss_fn`` of one position must be a scalar.
+  """
+  for name, f in (("loss_fn", loss_fn), ("sampler", sampler)):
+    if f is None and name == "sampler":
+      continue
+    if not callable(f):
+      raise TypeError(
+          f"{fn}: {name}={f!r} must be a function, e.g. "
+          "loss_fn=lambda z, y: jnp.exp(z) - y * z (one position).")
+    cells = getattr(f, "__closure__", None) or ()
+    for cell in cells:
+      try:
+        value = cell.cell_contents
+      except ValueError:  # An empty cell.
+        continue
+      if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
+        raise TypeError(
+            f"{fn}: {name} closes over a traced array; it is kept as a "
+            "static tag parameter and called again later, outside this "
+            "trace. Pass arrays through z or targets, or define it at "
+            "module level with only Python constants.")
+  lead = z.shape[:-1] if z.ndim >= 2 else z.shape
+  if targets is not None and tuple(targets.shape[:len(lead)]) != tuple(lead):
+    raise ValueError(
+        f"{fn}: targets have shape {tuple(targets.shape)}; their leading "
+        f"axes must be z's positions {tuple(lead)} (z {tuple(z.shape)}), "
+        "one target per position.")
+  z_n = jax.ShapeDtypeStruct(z.shape[len(lead):], z.dtype)
+  y_n = None if targets is None else jax.ShapeDtypeStruct(
+      targets.shape[len(lead):], targets.dtype)
+  out = jax.eval_shape(loss_fn, z_n, y_n)
+  if not hasattr(out, "shape") or out.shape != ():
+    raise ValueError(
+        f"{fn}: loss_fn(z_n, y_n) must return a scalar for one position "
+        f"(z_n of shape {z_n.shape}); it returned "
+        f"{getattr(out, 'shape', type(out).__name__)}. Sum over the event "
+        "axis inside loss_fn; the positions are averaged for you.")

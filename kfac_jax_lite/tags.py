@@ -18,7 +18,7 @@ values: strides, padding, the requested approximation, the loss weight, ...
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ layer_tag_p = jex_core.Primitive("kfac_layer_tag")
 loss_tag_p = jex_core.Primitive("kfac_loss_tag")
 
 LAYER_KINDS = tuple(kinds.KINDS)
-LOSS_KINDS = ("categorical", "normal", "multi_bernoulli")
+LOSS_KINDS = ("categorical", "normal", "multi_bernoulli", "custom")
 
 
 def _identity_impl(y, *unused_operands, **unused_params):
@@ -467,6 +467,10 @@ def register_generic(params, *, approx: Optional[str] = None):
   :math:`F \\approx \\frac{1}{B} (\\sum_b g_b)(\\sum_b g_b)^T` (TF K-FAC's
   ``NaiveFullFB`` / ``NaiveDiagonalFB``).
 
+  Several leaves make *one* block over their concatenation (linked
+  parameters, TF K-FAC's ``define_linked_parameters``; by path from
+  outside the model: :func:`~kfac_jax_lite.link_parameters`).
+
   Args:
     params: an array, or a pytree of arrays, that are parameter leaves.
     approx: ``diagonal`` (default) or ``full``.
@@ -657,3 +661,67 @@ def register_multi_bernoulli_predictive_distribution(logits, targets=None, *,
 
 register_sigmoid_cross_entropy_loss = (
     register_multi_bernoulli_predictive_distribution)
+
+
+def register_loss_function(z, targets=None, *, loss_fn: Callable,
+                           weight: float = 1.0, mask=None,
+                           sampler: Optional[Callable] = None):
+  """Registers a loss given by a function of one position's outputs.
+
+  ``z: [..., E]``: every leading axis indexes positions (examples, time
+  steps), the last is one position's ``E`` outputs (a 1-D ``z`` is ``N``
+  positions of one output). The registered loss is the mean over the
+  positions, ``jnp.mean(vmap(loss_fn)(z_n, y_n))`` (over the kept
+  positions with a ``mask``), as for the other loss tags, and its
+  curvature the generalised Gauss-Newton matrix of that mean,
+
+  .. math:: G = \\frac{w}{N} \\sum_n m_n J_n^T H_n J_n,\\quad
+     H_n = \\nabla_z^2\\, \\mathrm{loss\\_fn}(z_n, y_n)
+
+  from autodiff Hessians (:mod:`kfac_jax_lite.custom_losses`): estimation
+  modes ``exact_GGN``, ``curvature_prop_GGN`` (an eigendecomposition of each
+  ``H_n``, for ``E`` up to ``custom_losses.MAX_FACTOR_SIZE``) and
+  ``empirical``; ``gradients`` needs ``sampler``; ``exact`` and
+  ``curvature_prop`` raise (a loss function has no Fisher of its own).
+
+  Args:
+    z: the model outputs the loss is a function of, ``[..., E]`` or ``[N]``.
+      Returned unchanged.
+    targets: optional, with z's leading shape first (``y_n = targets[n]``,
+      any trailing shape and dtype); without, ``loss_fn`` gets ``None``.
+    loss_fn: ``loss_fn(z_n, y_n) -> scalar`` for one position (``z_n`` of
+      shape ``[E]``, or ``()`` for a 1-D ``z``). A static value: a
+      module-level function or one closing over Python constants only
+      (it is called again outside this trace); convex in ``z_n`` for a
+      positive semi-definite ``H_n`` (a negative eigenvalue is clipped).
+    weight: multiplies this loss's contribution (``weight · mean``).
+    mask: optional, broadcastable to the leading shape (0 drops a
+      position), as for the categorical tag.
+    sampler: optional ``sampler(key, z_n) -> y_n`` drawing a target from
+      the model's predictive distribution (``key`` a raw ``uint32[2]``
+      jax.random key), for ``estimation_mode="gradients"`` and
+      :func:`~kfac_jax_lite.eval_losses_on_samples`.
+
+  Returns:
+    ``z``, unchanged.
+
+  Raises:
+    TypeError: if ``loss_fn``/``sampler`` is not a function or closes
+      over a traced array.
+    ValueError: if ``loss_fn`` of one position is not a scalar, or the
+      targets' leading shape is not z's.
+
+  Example:
+    >>> def poisson(z, y):  # z: [] log-rate of one position
+    ...   return jnp.exp(z) - y * z
+    >>> z = register_loss_function(model(params, x)[:, 0], counts,
+    ...                            loss_fn=poisson)
+    >>> loss = jnp.mean(jnp.exp(z) - counts * z)
+  """
+  fn = "register_loss_function"
+  _check_array("z", z, fn)
+  if targets is not None:
+    _check_array("targets", targets, fn)
+  tag_checks.check_loss_function(z, targets, loss_fn, sampler, fn)
+  return _loss_tag("custom", z, targets, fn, mask=mask, weight=weight,
+                   loss_fn=loss_fn, sampler=sampler)

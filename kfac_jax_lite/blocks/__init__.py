@@ -46,7 +46,9 @@ from kfac_jax_lite.blocks.base import LayerData
 from kfac_jax_lite.layer import Layer
 
 __all__ = ["Block", "BlockConfig", "CholeskyProducts", "FactorBucketed",
-           "FusedProduct", "LayerData", "make_block", "registered_factory"]
+           "FusedProduct", "LayerData", "check_cholesky", "check_overrides",
+           "make_block",
+           "registered_factory"]
 
 # A factory builds the block of one layer: (layer, config) -> block.
 Factory = Callable[[Layer, BlockConfig], object]
@@ -81,6 +83,65 @@ def _override(layer: Layer, overrides: Optional[Mapping]) -> Optional[Factory]:
   return overrides.get((layer.kind, layer.approx))
 
 
+def check_overrides(layers, overrides: Optional[Mapping]):
+  """Raises unless every key of ``overrides`` picks at least one layer.
+
+  Args:
+    layers: the collection's layers.
+    overrides: ``{key: factory}`` as :func:`make_block` takes them.
+
+  Raises:
+    TypeError: for a key that is neither a ``(kind, approx)`` pair nor a
+      path-prefix string, or a factory that is not callable.
+    ValueError: for a key no layer matches (the message lists the layers).
+  """
+  for key, factory in (overrides or {}).items():
+    if not callable(factory):
+      raise TypeError(
+          f"block_factories[{key!r}]={factory!r} must be a function "
+          "(layer, config) -> block.")
+    if isinstance(key, str):
+      hit = any(p.startswith(key) for l in layers for p in l.param_paths)
+    elif isinstance(key, tuple) and len(key) == 2:
+      hit = any((l.kind, l.approx) == key for l in layers)
+    else:
+      raise TypeError(
+          f"block_factories key {key!r}: use a (kind, approx) tuple or a "
+          "parameter-path prefix string (as jax.tree_util.keystr prints it).")
+    if not hit:
+      raise ValueError(
+          f"block_factories key {key!r} matches no layer; the layers are "
+          f"{[(l.name, l.kind, l.approx) for l in layers]}. Use a prefix of "
+          "a layer's param_paths or one of its (kind, approx) pairs.")
+
+
+def check_cholesky(blocks, what: str):
+  """Raises ``ValueError`` naming the first block without
+  :class:`.base.CholeskyProducts` (a user block may not have them)."""
+  for block in blocks:
+    if not isinstance(block, CholeskyProducts):
+      raise ValueError(
+          f"{what}: the block of layer {base.layer_name(block)!r} "
+          f"({type(block).__name__}) has no Cholesky products; give it "
+          "multiply_cholesky and multiply_cholesky_inverse "
+          "(blocks.base.CholeskyProducts) or choose another block for it.")
+
+
+def _checked(block, layer: Layer):
+  """A user factory's block, checked against :class:`.base.Block`."""
+  missing = [n for n in ("init", "compute_stats", "update_curvature",
+                         "update_cache", "multiply_matpower", "multiply",
+                         "multiply_inverse", "full_fisher_block", "factors",
+                         "with_factors", "config", "needs_param_grads")
+             if not hasattr(block, n)]
+  if missing:
+    raise TypeError(
+        f"The block factory for layer {layer.name!r} returned a "
+        f"{type(block).__name__} without {missing}: a block follows "
+        "kfac_jax_lite.blocks.base.Block (docs/custom_blocks.md).")
+  return block
+
+
 def make_block(layer: Layer, config: BlockConfig | None = None,
                overrides: Optional[Mapping] = None):
   """The block for ``layer.kind`` and ``layer.approx``.
@@ -112,8 +173,10 @@ def make_block(layer: Layer, config: BlockConfig | None = None,
   if layer.stack:
     return combinators.stacked_block(
         layer, config, make_block(layer.unstacked(), config, overrides))
-  factory = (_override(layer, overrides) or
-             registered_factory(layer.kind, layer.approx))
+  user = _override(layer, overrides)
+  if user is not None:
+    return _checked(user(layer, config), layer)
+  factory = registered_factory(layer.kind, layer.approx)
   if factory is None:
     done = [a for a, _ in kinds.KINDS[layer.kind].factories
             ] if layer.kind in kinds.KINDS else []
