@@ -70,6 +70,10 @@ def loss_value(collection: LayerCollection, params, batch, *,
 
   Returns:
     A scalar.
+
+  Example:
+    >>> collection = kl.scan(loss_fn, params, batch)
+    >>> kl.loss_value(collection, params, batch)    # == loss_fn(params, batch)
   """
   out = collection.loss_fn(params, batch)
   loss = out[0] if collection.has_aux else out
@@ -95,6 +99,10 @@ def eval_losses(collection: LayerCollection, params, batch, *,
 
   Raises:
     ValueError: if a tag was registered without targets.
+
+  Example:
+    >>> collection = kl.scan(loss_fn, params, batch)
+    >>> (xent,) = kl.eval_losses(collection, params, batch)   # one loss tag
   """
   zs, targets, masks = _tags(collection, params, batch)
   out = []
@@ -116,10 +124,20 @@ def total_loss(collection: LayerCollection, params, batch, *,
   .. math:: \\sum_\\ell w_\\ell \\bar L_\\ell(z_\\ell, y_\\ell)
 
   Args:
-    collection, params, batch, axis_name: as :func:`eval_losses`.
+    collection: from :func:`kfac_jax_lite.scan`.
+    params: the parameters.
+    batch: the batch.
+    axis_name: average over this ``pmap``/``shard_map`` axis.
 
   Returns:
     A scalar.
+
+  Raises:
+    ValueError: if a tag was registered without targets.
+
+  Example:
+    >>> collection = kl.scan(loss_fn, params, batch)
+    >>> kl.total_loss(collection, params, batch)   # the registered losses
   """
   return sum(eval_losses(collection, params, batch, axis_name=axis_name))
 
@@ -150,6 +168,11 @@ def eval_losses_on_samples(collection: LayerCollection, params, batch, rng,
 
   Raises:
     ValueError: if a ``register_loss_function`` tag has no ``sampler``.
+
+  Example:
+    >>> collection = kl.scan(loss_fn, params, batch)
+    >>> kl.eval_losses_on_samples(collection, params, batch,
+    ...                           jax.random.PRNGKey(0), num_samples=8)
   """
   if not isinstance(num_samples, int) or num_samples < 1:
     raise ValueError(f"num_samples={num_samples!r} must be a positive int.")
@@ -178,11 +201,24 @@ def total_sampled_loss(collection: LayerCollection, params, batch, rng, *,
   """The sum of :func:`eval_losses_on_samples`.
 
   Args:
-    collection, params, batch, rng, num_samples, axis_name: as
-      :func:`eval_losses_on_samples`.
+    collection: from :func:`kfac_jax_lite.scan`.
+    params: the parameters.
+    batch: the batch (its targets are not used).
+    rng: a jax.random key (or ``uint32`` key words).
+    num_samples: ``S``, draws per position.
+    axis_name: average over this ``pmap``/``shard_map`` axis; each
+      replica folds ``rng`` with its axis index.
 
   Returns:
     A scalar.
+
+  Raises:
+    ValueError: if a ``register_loss_function`` tag has no ``sampler``.
+
+  Example:
+    >>> collection = kl.scan(loss_fn, params, batch)
+    >>> kl.total_sampled_loss(collection, params, batch,
+    ...                       jax.random.PRNGKey(0), num_samples=8)
   """
   return sum(eval_losses_on_samples(collection, params, batch, rng,
                                     num_samples=num_samples,

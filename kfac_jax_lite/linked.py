@@ -86,8 +86,9 @@ def link_parameters(loss_fn: Callable, groups: Sequence[Sequence[str]], *,
       (when the wrapped function is traced).
 
   Example:
-    >>> linked = kl.link_parameters(
-    ...     loss_fn, [("['params']['q']", "['params']['k']")], approx="full")
+    >>> # params = {"q": ..., "k": ..., "out": ...}: q and k as one block.
+    >>> linked = kl.link_parameters(loss_fn, [("['q']", "['k']")],
+    ...                             approx="full")
     >>> collection = kl.scan(linked, params, batch)
   """
   groups = tuple(tuple(g) if not isinstance(g, str) else g for g in groups)

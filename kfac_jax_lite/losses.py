@@ -206,6 +206,12 @@ class LossSpec(PositionLoss):
     has_targets: whether targets were passed at the tag.
     shape: the shape of ``z`` at scan time.
     has_mask: whether a ``mask`` was passed at the tag.
+
+  Example:
+    >>> spec = collection.losses[0]
+    >>> spec.kind, spec.weight, spec.shape
+    ('categorical', 1.0, (128, 5))
+    >>> spec.mean_nll(logits, labels)      # the registered loss, unweighted
   """
   kind: str
   weight: float = 1.0
@@ -217,7 +223,16 @@ class LossSpec(PositionLoss):
 
   # ---- per-position log-likelihood -------------------------------------
   def nll(self, z, y):
-    """Per-position negative log-likelihood, of the leading shape."""
+    """Per-position negative log-likelihood, of the leading shape.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      y: targets: class ids of the leading shape (categorical) or values
+        of ``z``'s shape.
+
+    Returns:
+      An array of the leading shape.
+    """
     z = _up(z)
     if self.kind == "categorical":
       logp = jax.nn.log_softmax(z, axis=-1)
@@ -234,7 +249,16 @@ class LossSpec(PositionLoss):
     return val.sum(axis=-1) if z.ndim >= 2 else val
 
   def nll_grad(self, z, y):
-    """:math:`\\partial\\, \\mathrm{nll}_n / \\partial z_n`, per position."""
+    """:math:`\\partial\\, \\mathrm{nll}_n / \\partial z_n`, per position.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      y: targets: class ids of the leading shape (categorical) or values
+        of ``z``'s shape.
+
+    Returns:
+      An array of ``z``'s shape.
+    """
     z32 = _up(z)
     if self.kind == "categorical":
       p = jax.nn.softmax(z32, axis=-1)
@@ -253,6 +277,13 @@ class LossSpec(PositionLoss):
     Categorical by the Gumbel-max trick, ``argmax(z - log(-log u))``;
     Normal by the inverse CDF, ``z + sqrt(var) Φ⁻¹(u)``; Bernoulli as
     ``u < sigmoid(z)``. Every position draws independently.
+
+    Args:
+      key: a key of :mod:`kfac_jax_lite.keys` or a ``jax.random`` key.
+      z: the tag's operand ``[..., E]`` (logits or mean).
+
+    Returns:
+      Targets in the layout of data targets.
     """
     z32 = jax.lax.stop_gradient(_up(z))
     u = keys.uniform(key, z.shape, z32.dtype)
@@ -266,11 +297,26 @@ class LossSpec(PositionLoss):
 
   # ---- Fisher factor products (per position) ----------------------------
   def check_mode(self, mode: str, index: int):
-    """Every estimation mode works with the three distributions."""
+    """Every estimation mode works with the three distributions.
+
+    Args:
+      mode: the estimation mode.
+      index: the tag's position among the loss tags (for messages).
+    """
     del mode, index
 
   def fisher_factor(self, z, v, y=None):
-    """:math:`B v` with ``v`` of z's shape; :math:`F_R = B B^T`."""
+    """:math:`B v` with ``v`` of z's shape; :math:`F_R = B B^T`.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      v: an array of ``z``'s shape.
+      y: unused (the factor depends on ``z`` only); accepted for the
+        interface shared with custom losses.
+
+    Returns:
+      :math:`B v`, of ``z``'s shape.
+    """
     del y  # F_R depends on z only.
     z = _up(z)
     if self.kind == "categorical":
@@ -285,7 +331,17 @@ class LossSpec(PositionLoss):
     raise ValueError(f"Unknown loss kind {self.kind!r}.")
 
   def fisher_factor_transpose(self, z, u, y=None):
-    """:math:`B^T u`."""
+    """:math:`B^T u`.
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      u: an array of ``z``'s shape.
+      y: unused (the factor depends on ``z`` only); accepted for the
+        interface shared with custom losses.
+
+    Returns:
+      :math:`B^T u`, of ``z``'s shape.
+    """
     del y
     z = _up(z)
     if self.kind == "categorical":
@@ -295,7 +351,17 @@ class LossSpec(PositionLoss):
     return self.fisher_factor(z, u)
 
   def multiply_fisher(self, z, v, y=None):
-    """:math:`F_R v` per position (exact, no sampling)."""
+    """:math:`F_R v` per position (exact, no sampling).
+
+    Args:
+      z: the tag's operand ``[..., E]`` (logits or mean).
+      v: an array of ``z``'s shape.
+      y: unused (the factor depends on ``z`` only); accepted for the
+        interface shared with custom losses.
+
+    Returns:
+      :math:`F_R v`, of ``z``'s shape.
+    """
     del y
     return self.fisher_factor(z, self.fisher_factor_transpose(z, v))
 
