@@ -231,29 +231,38 @@ def layer_meta(**kwargs) -> tuple:
 register_convolution = register_conv
 
 
-def _strides_2d(strides, name: str):
+def _strides_2d(strides, name: str, fn: str):
+  given = strides
   strides = tuple(strides) if isinstance(strides, (list, tuple)) else (
       strides, strides)
   if len(strides) == 4:
     strides = strides[1:3]
-  if len(strides) != 2:
+  if len(strides) != 2 or not all(
+      isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1
+      for s in strides):
     raise ValueError(
-        f"{name}={strides!r}: give 2 spatial values or TF's 4-element form "
-        "[1, sh, sw, 1].")
+        f"{fn}: {name}={given!r}; expected positive ints: one for both "
+        "axes, 2 spatial values or TF's 4-element form [1, sh, sw, 1].")
   return strides
+
+
+def _check_data_format(data_format, fn: str):
+  if data_format not in ("NHWC", "NCHW"):
+    raise ValueError(f"{fn}: data_format={data_format!r}; use 'NHWC' or "
+                     "'NCHW'.")
 
 
 def register_conv2d(y, x, w, b=None, *, strides, padding, dilations=None,
                     data_format: str = "NHWC", approx: Optional[str] = None):
   """2-D convolution with TensorFlow's argument names; see register_conv."""
-  if data_format not in ("NHWC", "NCHW"):
-    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
+  fn = "register_conv2d"
+  _check_data_format(data_format, fn)
   dn = (data_format, "HWIO", data_format)
   return register_conv(
-      y, x, w, b, window_strides=_strides_2d(strides, "strides"),
+      y, x, w, b, window_strides=_strides_2d(strides, "strides", fn),
       padding=padding,
       rhs_dilation=None if dilations is None else _strides_2d(
-          dilations, "dilations"),
+          dilations, "dilations", fn),
       dimension_numbers=dn, approx=approx)
 
 
@@ -265,13 +274,21 @@ def register_depthwise_conv2d(y, x, w, *, strides, padding, rate=None,
   The block works on the equivalent dense filter ``[h, w, C, C*M]`` that is
   zero off the channel diagonal (TF K-FAC ``DepthwiseConv*FB``).
   """
-  if data_format not in ("NHWC", "NCHW"):
-    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
-  return _layer_tag(
-      "depthwise_conv", y, (x,), (w,), "register_depthwise_conv2d",
-      window_strides=_strides_2d(strides, "strides"), padding=padding,
-      rhs_dilation=None if rate is None else _strides_2d(rate, "rate"),
-      data_format=data_format, approx=approx)
+  fn = "register_depthwise_conv2d"
+  kw = _depthwise_kwargs(fn, strides, padding, rate, data_format)
+  tag_checks.check_depthwise_shapes(fn, y, x, w, **kw)
+  return _layer_tag("depthwise_conv", y, (x,), (w,), fn,
+                    window_strides=kw["strides"], padding=padding,
+                    rhs_dilation=kw["rate"], data_format=data_format,
+                    approx=approx)
+
+
+def _depthwise_kwargs(fn, strides, padding, rate, data_format) -> dict:
+  """The checked depthwise arguments, as the shape checks take them."""
+  _check_data_format(data_format, fn)
+  return dict(strides=_strides_2d(strides, "strides", fn), padding=padding,
+              rate=None if rate is None else _strides_2d(rate, "rate", fn),
+              data_format=data_format)
 
 
 def register_separable_conv2d(y, x, depthwise_w, pointwise_w, depthwise_y,
@@ -286,14 +303,14 @@ def register_separable_conv2d(y, x, depthwise_w, pointwise_w, depthwise_y,
   gradient recovered as :math:`g_{dw} = g_y W_{pw}^T` (the 1x1 conv's
   transpose), so ``depthwise_y`` needs no tag of its own.
   """
-  if data_format not in ("NHWC", "NCHW"):
-    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
+  fn = "register_separable_conv2d"
+  kw = _depthwise_kwargs(fn, strides, padding, rate, data_format)
+  tag_checks.check_separable_shapes(y, x, depthwise_w, pointwise_w,
+                                    depthwise_y, b, **kw)
   params = (depthwise_w, pointwise_w) + (() if b is None else (b,))
   return _layer_tag(
-      "separable_conv", y, (x, depthwise_y), params,
-      "register_separable_conv2d",
-      window_strides=_strides_2d(strides, "strides"), padding=padding,
-      rhs_dilation=None if rate is None else _strides_2d(rate, "rate"),
+      "separable_conv", y, (x, depthwise_y), params, fn,
+      window_strides=kw["strides"], padding=padding, rhs_dilation=kw["rate"],
       data_format=data_format, approx=approx)
 
 
@@ -328,6 +345,7 @@ def register_scale_and_shift(y, x, scale, shift=None, *,
     approx: ``full`` (default) or ``diagonal``.
   """
   params = (scale,) if shift is None else (scale, shift)
+  tag_checks.check_scale_and_shift(y, x, scale, shift)
   return _layer_tag("scale_and_shift", y, (x,), params,
                     "register_scale_and_shift", approx=approx)
 
@@ -348,7 +366,10 @@ def register_generic(params, *, approx: Optional[str] = None):
   """
   leaves, treedef = jax.tree.flatten(params)
   if not leaves:
-    raise ValueError("register_generic(params=...) got no arrays.")
+    raise ValueError(
+        f"register_generic: params={params!r} holds no arrays; pass the "
+        "parameter array (or a pytree of them), e.g. "
+        "register_generic(params['w']).")
   out = _layer_tag("generic", leaves[0], (), tuple(leaves),
                    "register_generic", approx=approx)
   return jax.tree.unflatten(treedef, [out, *leaves[1:]])
@@ -383,6 +404,7 @@ def _loss_tag(kind, z, targets, fn, mask=None, **meta):
   operands = (z,) if targets is None else (z, targets)
   if targets is not None:
     _check_array("targets", targets, fn)
+    tag_checks.check_loss_targets(fn, kind, z, targets)
   if mask is not None:
     _check_mask(z, mask, fn)
     operands += (mask,)
