@@ -32,7 +32,7 @@ from tests import problems
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 BEGIN, END = "<!-- bad-inputs:begin -->", "<!-- bad-inputs:end -->"
-MAX_MESSAGE = 240   # characters of a message shown in the docs table
+MAX_MESSAGE = 230   # characters of a message shown in the docs table
 
 
 class Case(NamedTuple):
@@ -511,10 +511,11 @@ CASES = [
                                w.params, batch=w.batch),
          ValueError, r"updates does not match the parameters the "
          r"LayerCollection was scanned with \(missing \[\"\['layer1'\]"),
-    Case("update-batch-of-another-structure", "tx.update(..., batch=x) "
+    Case("update-batch-of-another-structure", "tx.update(..., batch=(x,)) "
          "where loss_fn unpacks (x, y)",
-         lambda w: _step(w, batch=w.batch[0]), ValueError,
-         r"batch=\.\.\. has structure PyTreeDef\(\*\), but scan\(\) traced "
+         lambda w: _step(w, batch=(w.batch[0],)), ValueError,
+         r"batch=\.\.\. has structure PyTreeDef\(\(\*,\)\), but scan\(\) "
+         r"traced "
          r"loss_fn with a batch of structure PyTreeDef\(\(\*, \*\)\), and "
          r"loss_fn fails on it .*Pass update\(\) the batch loss_fn takes"),
     Case("axis-name-outside-pmap", "kfac(..., axis_name='i') stepped under "
