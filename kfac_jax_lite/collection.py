@@ -120,6 +120,8 @@ class LayerCollection:
     leaf_shapes: the shape of every leaf, in flatten order.
     auto_register: whether ``scan`` recognised untagged layers (the
       estimator re-traces with the same setting).
+    batch_treedef: the tree structure of the batch ``scan`` traced with
+      (named in the error when a later batch does not fit ``loss_fn``).
 
   Example:
     >>> collection = kl.scan(loss_fn, params, batch)
@@ -137,6 +139,8 @@ class LayerCollection:
   trainable: tuple = ()
   leaf_shapes: tuple = ()
   auto_register: bool = False
+  batch_treedef: Any = dataclasses.field(default=None, compare=False,
+                                         repr=False)
 
   def is_trainable(self, index: int) -> bool:
     """Whether leaf ``index`` is trainable (``scan``'s ``params_filter``).
@@ -217,6 +221,7 @@ class LayerCollection:
       ValueError: naming missing and unexpected leaves.
     """
     if jax.tree.structure(params) == self.params_treedef:
+      self._check_shapes(jax.tree.leaves(params), argname)
       return
     paths = leaf_paths_of(params)
     if paths != self.leaf_paths:
@@ -227,6 +232,22 @@ class LayerCollection:
           f"scanned with (missing {missing}, unexpected {extra}, "
           f"{len(paths)} vs {len(self.leaf_paths)} leaves). Pass the same "
           "parameter pytree that was given to scan(), or scan again.")
+    self._check_shapes(jax.tree.leaves(params), argname)
+
+  def _check_shapes(self, leaves, argname: str) -> None:
+    """Each trainable leaf has the shape it was scanned with."""
+    if not self.leaf_shapes:
+      return
+    for i, (leaf, want) in enumerate(zip(leaves, self.leaf_shapes)):
+      got = tuple(getattr(leaf, "shape", ()))
+      if got != tuple(want) and self.is_trainable(i):
+        owner = [l.name for l in self.layers if i in l.param_indices]
+        raise ValueError(
+            f"{argname}{self.leaf_paths[i]} has shape {got}, but the "
+            f"LayerCollection was scanned with {tuple(want)} (layer "
+            f"{owner[0] if owner else '?'!r}): the collection belongs to "
+            "another model. Scan this model's parameters: "
+            "kfac_jax_lite.scan(loss_fn, params, batch).")
 
   def describe(self) -> str:
     """A human-readable table of layers, approximations and fallbacks.

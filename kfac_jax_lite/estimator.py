@@ -228,7 +228,34 @@ class FisherEstimator:
           f"the estimator's {list(self._names)}. Pass the {name} made by "
           "this estimator (init / compute_stats / value_grad_and_stats "
           "with estimator=...).")
+    if isinstance(x, EstimatorState):
+      self._check_state_shapes(x, name)
     return list(x.stacked.values())
+
+  @functools.cached_property
+  def _state_shapes(self) -> dict:
+    return jax.eval_shape(lambda: {n: grouping.combine(
+        [self.blocks[i].init() for i in g])
+        for n, g in zip(self._names, self.groups)})
+
+  def _check_state_shapes(self, state: EstimatorState, name: str) -> None:
+    """Each group's arrays end in the shapes :meth:`init` gives them
+    (leading axes, e.g. a replica axis, are allowed)."""
+    for group, layers in zip(self._names, self.groups):
+      want = self._state_shapes[group]
+      flat = jax.tree_util.tree_flatten_with_path(want)[0]
+      got = jax.tree.leaves(state.stacked[group])
+      if len(got) != len(flat):
+        continue
+      names = [self.collection.layers[i].name for i in layers]
+      for (path, w), g in zip(flat, got):
+        shape, ws = tuple(jnp.shape(g)), tuple(w.shape)
+        if len(shape) < len(ws) or shape[len(shape) - len(ws):] != ws:
+          raise ValueError(
+              f"{name}=... holds {jax.tree_util.keystr(path)} of shape "
+              f"{shape} for the layers {names}; this estimator's have "
+              f"{ws}: the {name} belongs to another model. Pass the {name} "
+              "made by this estimator (tx.init(params) of this model).")
 
   # ---- statistics --------------------------------------------------------
   def linearize(self, params, batch, with_jvp: bool = False) -> Linearized:

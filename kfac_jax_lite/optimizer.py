@@ -257,7 +257,8 @@ def kfac_optimizer(collection: LayerCollection, *,
   for name, v in (("initial_damping", initial_damping),
                   ("min_damping", min_damping), ("l2_reg", l2_reg),
                   ("learning_rate", learning_rate), ("momentum", momentum)):
-    curvature_lib.check_nonnegative(name, v)
+    if v is not None:
+      transform.check_hyperparameter(name, v)
   if not 0.0 < damping_adaptation_decay < 1.0:
     raise ValueError(
         f"damping_adaptation_decay={damping_adaptation_decay!r} must be in "
@@ -361,6 +362,8 @@ def kfac_optimizer(collection: LayerCollection, *,
   def guarded_update_fn(grads, state, params=None, *, batch=None, stats=None,
                         **extra_args):
     del extra_args
+    transform.check_state(state, KFACOptimizerState._fields,
+                          "kfac_optimizer")
     if params is None or batch is None:
       raise ValueError(
           "kfac_optimizer.update needs params=... and batch=... (the "

@@ -263,16 +263,25 @@ def layer_meta(**kwargs) -> tuple:
 register_convolution = register_conv
 
 
-def _strides_2d(strides, name: str):
+def _strides_2d(strides, name: str, fn: str):
+  given = strides
   strides = tuple(strides) if isinstance(strides, (list, tuple)) else (
       strides, strides)
   if len(strides) == 4:
     strides = strides[1:3]
-  if len(strides) != 2:
+  if len(strides) != 2 or not all(
+      isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1
+      for s in strides):
     raise ValueError(
-        f"{name}={strides!r}: give 2 spatial values or TF's 4-element form "
-        "[1, sh, sw, 1].")
+        f"{fn}: {name}={given!r}; expected positive ints: one for both "
+        "axes, 2 spatial values or TF's 4-element form [1, sh, sw, 1].")
   return strides
+
+
+def _check_data_format(data_format, fn: str):
+  if data_format not in ("NHWC", "NCHW"):
+    raise ValueError(f"{fn}: data_format={data_format!r}; use 'NHWC' or "
+                     "'NCHW'.")
 
 
 def register_conv2d(y, x, w, b=None, *, strides, padding, dilations=None,
@@ -305,14 +314,14 @@ def register_conv2d(y, x, w, b=None, *, strides, padding, dilations=None,
   Example:
     >>> y = kl.register_conv2d(y, x, w, b, strides=1, padding="SAME")
   """
-  if data_format not in ("NHWC", "NCHW"):
-    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
+  fn = "register_conv2d"
+  _check_data_format(data_format, fn)
   dn = (data_format, "HWIO", data_format)
   return register_conv(
-      y, x, w, b, window_strides=_strides_2d(strides, "strides"),
+      y, x, w, b, window_strides=_strides_2d(strides, "strides", fn),
       padding=padding,
       rhs_dilation=None if dilations is None else _strides_2d(
-          dilations, "dilations"),
+          dilations, "dilations", fn),
       dimension_numbers=dn, approx=approx)
 
 
@@ -345,13 +354,21 @@ def register_depthwise_conv2d(y, x, w, *, strides, padding, rate=None,
   Example:
     >>> y = kl.register_depthwise_conv2d(y, x, w, strides=1, padding="SAME")
   """
-  if data_format not in ("NHWC", "NCHW"):
-    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
-  return _layer_tag(
-      "depthwise_conv", y, (x,), (w,), "register_depthwise_conv2d",
-      window_strides=_strides_2d(strides, "strides"), padding=padding,
-      rhs_dilation=None if rate is None else _strides_2d(rate, "rate"),
-      data_format=data_format, approx=approx)
+  fn = "register_depthwise_conv2d"
+  kw = _depthwise_kwargs(fn, strides, padding, rate, data_format)
+  tag_checks.check_depthwise_shapes(fn, y, x, w, **kw)
+  return _layer_tag("depthwise_conv", y, (x,), (w,), fn,
+                    window_strides=kw["strides"], padding=padding,
+                    rhs_dilation=kw["rate"], data_format=data_format,
+                    approx=approx)
+
+
+def _depthwise_kwargs(fn, strides, padding, rate, data_format) -> dict:
+  """The checked depthwise arguments, as the shape checks take them."""
+  _check_data_format(data_format, fn)
+  return dict(strides=_strides_2d(strides, "strides", fn), padding=padding,
+              rate=None if rate is None else _strides_2d(rate, "rate", fn),
+              data_format=data_format)
 
 
 def register_separable_conv2d(y, x, depthwise_w, pointwise_w, depthwise_y,
@@ -392,14 +409,14 @@ def register_separable_conv2d(y, x, depthwise_w, pointwise_w, depthwise_y,
     >>> y = kl.register_separable_conv2d(y, x, dw, pw, dy, b, strides=1,
     ...                                  padding="SAME")
   """
-  if data_format not in ("NHWC", "NCHW"):
-    raise ValueError(f"data_format={data_format!r}: use 'NHWC' or 'NCHW'.")
+  fn = "register_separable_conv2d"
+  kw = _depthwise_kwargs(fn, strides, padding, rate, data_format)
+  tag_checks.check_separable_shapes(y, x, depthwise_w, pointwise_w,
+                                    depthwise_y, b, **kw)
   params = (depthwise_w, pointwise_w) + (() if b is None else (b,))
   return _layer_tag(
-      "separable_conv", y, (x, depthwise_y), params,
-      "register_separable_conv2d",
-      window_strides=_strides_2d(strides, "strides"), padding=padding,
-      rhs_dilation=None if rate is None else _strides_2d(rate, "rate"),
+      "separable_conv", y, (x, depthwise_y), params, fn,
+      window_strides=kw["strides"], padding=padding, rhs_dilation=kw["rate"],
       data_format=data_format, approx=approx)
 
 
@@ -456,6 +473,7 @@ def register_scale_and_shift(y, x, scale, shift=None, *,
     ...                                 shift)
   """
   params = (scale,) if shift is None else (scale, shift)
+  tag_checks.check_scale_and_shift(y, x, scale, shift)
   return _layer_tag("scale_and_shift", y, (x,), params,
                     "register_scale_and_shift", approx=approx)
 
@@ -486,7 +504,10 @@ def register_generic(params, *, approx: Optional[str] = None):
   """
   leaves, treedef = jax.tree.flatten(params)
   if not leaves:
-    raise ValueError("register_generic(params=...) got no arrays.")
+    raise ValueError(
+        f"register_generic: params={params!r} holds no arrays; pass the "
+        "parameter array (or a pytree of them), e.g. "
+        "register_generic(params['w']).")
   out = _layer_tag("generic", leaves[0], (), tuple(leaves),
                    "register_generic", approx=approx)
   return jax.tree.unflatten(treedef, [out, *leaves[1:]])
@@ -521,6 +542,7 @@ def _loss_tag(kind, z, targets, fn, mask=None, **meta):
   operands = (z,) if targets is None else (z, targets)
   if targets is not None:
     _check_array("targets", targets, fn)
+    tag_checks.check_loss_targets(fn, kind, z, targets)
   if mask is not None:
     _check_mask(z, mask, fn)
     operands += (mask,)

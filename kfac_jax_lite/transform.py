@@ -85,6 +85,33 @@ def make_estimator(collection, estimator, power, **fields
   return estimator
 
 
+def check_hyperparameter(name, value):
+  """A float, an int, a scalar array or a schedule (a callable of the step
+  count); numbers must be >= 0 (arrays are checked at each step: a
+  non-finite value skips the step)."""
+  if callable(value) or (isinstance(value, (int, float)) and not isinstance(
+      value, bool)):
+    check_nonnegative(name, value)
+    return
+  if hasattr(value, "shape") and hasattr(value, "dtype") and (
+      jnp.ndim(value) == 0) and jnp.issubdtype(value.dtype, jnp.number):
+    return
+  raise TypeError(
+      f"{name}={value!r} is a {type(value).__name__}; expected a number, a "
+      "scalar array or an optax schedule (a function of the step count), "
+      f"e.g. {name}=1e-3.")
+
+
+def check_state(state, fields, fn):
+  """``state`` is the transformation's own state (a NamedTuple with
+  ``fields``), e.g. not None before ``init``."""
+  if not all(hasattr(state, f) for f in fields):
+    raise TypeError(
+        f"{fn}.update: state is a {type(state).__name__}, not this "
+        "transformation's state. Create it with state = tx.init(params) "
+        "and pass the state that tx.update returned.")
+
+
 def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
   """KL clipping (Ba, Grosse & Martens 2017, sec. 5).
 
@@ -184,9 +211,10 @@ def scale_by_kfac(collection: LayerCollection, *,
     >>> state = tx.init(params)
     >>> updates, state = tx.update(grads, state, params, batch=batch)
   """
-  check_nonnegative("learning_rate", learning_rate)
+  check_hyperparameter("learning_rate", learning_rate)
+  check_hyperparameter("damping", damping)
   if norm_constraint is not None:
-    check_nonnegative("norm_constraint", norm_constraint)
+    check_hyperparameter("norm_constraint", norm_constraint)
   est = make_estimator(
       collection, estimator, power, cov_ema_decay=cov_ema_decay,
       estimation_mode=estimation_mode, axis_name=axis_name,
@@ -199,6 +227,7 @@ def scale_by_kfac(collection: LayerCollection, *,
   def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 **extra_args):
     del extra_args  # Unknown extra args are ignored (optax.chain forwards).
+    check_state(state, CurvatureState._fields, "scale_by_kfac")
     if params is None:
       raise ValueError("scale_by_kfac.update needs params=... (the current "
                        "parameters), as optax.adamw does.")
@@ -314,6 +343,7 @@ def skip_nonfinite(inner: optax.GradientTransformation,
                               inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    check_state(state, SkipNonFiniteState._fields, "skip_nonfinite")
     new_updates, new_inner = inner.update(updates, state.inner, params,
                                           **extra_args)
     finite = _step_finite(new_inner, updates, extra_args.get("stats"),
@@ -341,6 +371,7 @@ def _skip_nonfinite_chain(*transforms) -> optax.GradientTransformationExtraArgs:
                               tuple(t.init(params) for t in transforms))
 
   def update_fn(updates, state, params=None, **extra_args):
+    check_state(state, SkipNonFiniteState._fields, "kfac")
     first, *rest = transforms
     new_updates, head = first.update(updates, state.inner[0], params,
                                      **extra_args)
@@ -438,8 +469,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   finite are skipped and counted (:func:`skip_nonfinite`):
   ``state.num_skipped``, ``state.last_finite``.
   """
-  check_nonnegative("momentum", momentum)
-  check_nonnegative("weight_decay", weight_decay)
+  check_hyperparameter("momentum", momentum)
+  check_hyperparameter("weight_decay", weight_decay)
   parts = [scale_by_kfac(
       collection, damping=damping, cov_ema_decay=cov_ema_decay,
       cov_update_period=cov_update_period,

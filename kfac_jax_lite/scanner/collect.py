@@ -319,6 +319,7 @@ def scan(loss_fn: Callable, params, batch, *, has_aux: bool = False,
       layers=tuple(layers), losses=tuple(s.spec for s in found.losses),
       leaf_paths=leaf_paths, params_treedef=jax.tree.structure(params),
       loss_fn=loss_fn, has_aux=has_aux, trainable=trainable,
-      leaf_shapes=found.leaf_shapes, auto_register=auto_register)
+      leaf_shapes=found.leaf_shapes, auto_register=auto_register,
+      batch_treedef=jax.tree.structure(batch))
 
 

@@ -202,9 +202,20 @@ def perturbed_fn(collection: collection_lib.LayerCollection, params,
     ValueError: if the tags found now do not match the scanned collection.
   """
   collection.check_params(params)
-  found, closed, out_tree = find_sites(
-      collection.loss_fn, params, batch, collection.has_aux,
-      collection.leaf_paths, collection.trainable, collection.auto_register)
+  try:
+    found, closed, out_tree = find_sites(
+        collection.loss_fn, params, batch, collection.has_aux,
+        collection.leaf_paths, collection.trainable, collection.auto_register)
+  except Exception as e:  # pylint: disable=broad-except
+    want = collection.batch_treedef
+    if want is None or jax.tree.structure(batch) == want:
+      raise
+    # The user's own error, with what K-FAC knows: the batch changed form.
+    raise ValueError(
+        f"batch=... has structure {jax.tree.structure(batch)}, but scan() "
+        f"traced loss_fn with a batch of structure {want}, and loss_fn "
+        f"fails on it ({type(e).__name__}: {e}). Pass update() the batch "
+        "loss_fn takes (the same pytree as given to scan()).") from e
   kept, _ = select(found)
   sites = _collection_sites(collection, kept)
   if len(found.losses) != len(collection.losses):

@@ -195,6 +195,7 @@ class Walker:
           "(stacked layers) with whole parameters; stack all of a layer's "
           "parameters, or none.")
     y = ins[0]
+    self._check_output_depends(key, kind, leaves, y)
     self.found.sites[key] = Site(
         key=key, kind=kind, meta=eqn.params["meta"], leaves=tuple(leaves),
         scan_lengths=tuple(scan_lengths), y_aval=eqn.invars[0].aval,
@@ -203,6 +204,23 @@ class Walker:
         upstream=y.sites, raw_in=y.raw - frozenset(leaves))
     return Prov(leaves=y.leaves | frozenset(leaves), sites=frozenset({key}),
                 batched=y.batched)
+
+  def _check_output_depends(self, key, kind, leaves, y):
+    """A tag's output must be computed from each of its parameters: the
+    walk's provenance of ``y`` (exact, from the jaxpr) names every leaf it
+    depends on. A generic tag's "output" is its first parameter."""
+    if kind == "generic":
+      return
+    missing = [self.found.leaf_paths[i] for i in leaves
+               if i not in y.leaves]
+    if missing:
+      raise ValueError(
+          f"The {kind} tag at {key}: its output y does not depend on "
+          f"parameter {missing[0]} (y depends on "
+          f"{sorted(self.found.leaf_paths[i] for i in y.leaves)}); a tag "
+          "describes y = layer(x, params), so the curvature of another "
+          "value would be estimated. Pass the value computed from these "
+          "parameters as y (e.g. register_dense(x @ w + b, x, w, b)).")
 
   def _scan(self, eqn, ins, key, scan_lengths):
     p = eqn.params
