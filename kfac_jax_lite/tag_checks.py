@@ -230,7 +230,8 @@ def check_scale_and_shift(y, x, scale, shift):
 
 def check_loss_targets(fn, kind, z, targets):
   """Targets have one entry per position (categorical, integer) or ``z``'s
-  shape (normal, multi-Bernoulli)."""
+  shape (normal, multi-Bernoulli); a custom loss's targets are checked by
+  :func:`check_loss_function`."""
   if kind == "categorical":
     if not jnp.issubdtype(targets.dtype, jnp.integer):
       raise TypeError(
@@ -242,6 +243,8 @@ def check_loss_targets(fn, kind, z, targets):
       raise shape_error(fn, "targets", targets.shape, want,
                         f"One class id per position of the logits "
                         f"{tuple(z.shape)} (every axis but the last).")
+  elif kind == "custom":
+    return  # check_loss_function checks the leading shape.
   elif tuple(targets.shape) != tuple(z.shape):
     raise shape_error(fn, "targets", targets.shape, z.shape,
                       "Targets have the shape of the registered "
