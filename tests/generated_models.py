@@ -18,6 +18,7 @@ seed, so one compiled program serves many drawn configurations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -239,7 +240,9 @@ def make_loss(spec: ModelSpec) -> Callable[[Any, Any], jax.Array]:
   return loss
 
 
+@functools.cache
 def feature_size(spec: ModelSpec) -> int:
+  """``F``: the features the layer of ``spec`` gives the head."""
   inputs = LAYERS[spec.kind].inputs(np.random.default_rng(0))
   params = _cast(LAYERS[spec.kind].params(np.random.default_rng(0)),
                  spec.dtype)
