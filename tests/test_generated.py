@@ -232,7 +232,8 @@ def _runner(structure: Structure) -> Runner:
   vgs = kl.value_grad_and_stats(loss, collection, estimator=est)
   runner = Runner(s, loss, collection, est, tx, None)
   try:  # Products at exp 1, unless the approximation says it has none.
-    jax.eval_shape(lambda p: est.multiply(est.init(p), p),
+    plain = kl.FisherEstimator(collection)   # No axis: traced outside pmap.
+    jax.eval_shape(lambda p: plain.multiply(plain.init(p), p),
                    gm.make_params(m, 0))
   except ValueError as e:
     if "supports exp" not in str(e):
@@ -446,7 +447,8 @@ def _check(structure: Structure, nums: Numbers) -> None:
     _assert_same_avals(new_state, state0, f"{what}: state")
     _assert_same_avals(direction, params, f"{what}: direction")
     _assert_finite((direction, new_state, products), f"{what}: ")
-    assert products["quad"] > 0, f"{what}: v^T F^-1 v <= 0"
+    assert np.all(np.asarray(products["quad"]) > 0), (
+        f"{what}: v^T F^-1 v <= 0")
     if runner.exp1:
       err = _relative_error(products["back"], v)
       assert err <= ROUNDTRIP_RTOL["float64" if m.dtype == "float64"
