@@ -23,10 +23,10 @@ Invariants checked on each configuration, over two steps of
 * finite directions, factors and every other state leaf;
 * ``vᵀ F̂⁻¹ v > 0`` and ``multiply(multiply_inverse(v)) = v`` for the
   damped curvature (``v`` in the factors' dtype; the second where the
-  approximation has products at exp 1), after a further EMA update at the drawn decay and
-  a refresh at the drawn damping; for bf16 and f16 parameters,
-  ``multiply_inverse`` of a vector in that dtype is the product in the
-  factors' dtype rounded once;
+  approximation has products at exp 1), after a further EMA update at the
+  drawn decay and a refresh at the drawn damping; for bf16 and f16
+  parameters, ``multiply_inverse`` of a vector in that dtype is the
+  product in the factors' dtype rounded once;
 * the state's structure, shapes, dtypes and weak types equal ``init``'s
   after each step;
 * one trace per structure: the second step, and every later configuration
@@ -483,6 +483,9 @@ SEEN = {"default": set(), "slow": set()}
 
 
 def _run_tier(tier: str, structure: Structure) -> None:
+  if structure.dist.replicas > jax.device_count():
+    pytest.skip(f"needs {structure.dist.replicas} devices (tests/conftest.py "
+                "sets 4)")
   seen = set()
 
   # A fixed seed per structure: a reproducible run, and different numbers
@@ -505,8 +508,9 @@ def _run_tier(tier: str, structure: Structure) -> None:
   assert len(seen) == PER_STRUCTURE[tier], (
       f"{structure}: only {len(seen)} distinct configurations ran")
   SEEN[tier].update((structure, n) for n in seen)
-  print(f"\n{tier}: {structure}: {len(seen)} configurations; tier so far "
-        f"{len(SEEN[tier])} configurations")
+  print(f"\n{tier}: {structure}: {len(seen)} configurations; in this "
+        f"process {len(SEEN[tier])} configurations of "
+        f"{_runner.cache_info().currsize} compiled structures")
 
 
 DEFAULT = plan("default")
