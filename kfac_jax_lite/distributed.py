@@ -174,6 +174,9 @@ def live_factors(block) -> tuple:
     return ()
   state = jax.eval_shape(block.init)
   factors = block.factors(state)
+  if not (hasattr(block, "layer") and hasattr(block, "config")):
+    # A user block without them: average every factor leaf (safe).
+    return (True,) * len(jax.tree.leaves(factors))
   v = tuple(jax.ShapeDtypeStruct(s, d) for s, d in zip(
       block.layer.param_shapes, block.layer.param_dtypes))
   closed = jax.make_jaxpr(

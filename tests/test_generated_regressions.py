@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 import kfac_jax_lite as kl
+from kfac_jax_lite import blocks as blocks_lib
+from kfac_jax_lite import distributed
+from tests import blocks_helpers as bh
 from tests import generated_models as gm
 
 R = 2
@@ -100,3 +103,31 @@ def test_before_refresh_directions_agree_across_replicas(kind, approx):
     np.testing.assert_array_equal(g[1], g[0])
     np.testing.assert_allclose(g[0], w[0], rtol=1e-4,
                                atol=1e-6 * float(np.abs(w).max()))
+
+
+class _UserBlock:
+  """A block from ``block_factories`` with neither ``layer`` nor
+  ``config``: only the protocol's verbs (here delegated)."""
+
+  def __init__(self, inner):
+    self._inner = inner
+    self.needs_param_grads = inner.needs_param_grads
+
+  def __getattr__(self, name):
+    if name in ("layer", "config"):
+      raise AttributeError(name)
+    return getattr(self._inner, name)
+
+
+def test_live_factors_are_the_ones_products_read():
+  """What the products average under ``before_refresh``: a diagonal
+  block's diagonal; of a Kronecker block only the scalar ``scale`` (its
+  powers of A and G are cached); every factor of a block the analysis
+  cannot trace (a user block without ``layer``)."""
+  shapes = [(3, 2), (2,)]
+  make = lambda approx: blocks_lib.make_block(  # noqa: E731
+      bh.make_layer("fully_connected", approx, shapes, dtype="float32"))
+  assert distributed.live_factors(make("diagonal")) == (True,)
+  # factors() of a Kronecker block: {"a", "g", "scale"}, in key order.
+  assert distributed.live_factors(make("kron")) == (False, False, True)
+  assert distributed.live_factors(_UserBlock(make("kron"))) == (True,) * 3
