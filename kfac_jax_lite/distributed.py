@@ -51,6 +51,7 @@ import math
 from typing import Hashable, Sequence
 
 import jax
+import jax.extend
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -148,6 +149,79 @@ def average_factors(blocks: Sequence, states: Sequence, axis_name) -> list:
   picked = lax.pmean(picked, axis_name)
   return [s if p is None else b.with_factors(s, p)
           for b, s, p in zip(blocks, states, picked)]
+
+
+def live_factors(block) -> tuple:
+  """Which factor leaves ``block.multiply_matpower`` reads at its cached
+  exponents.
+
+  A Kronecker block's damped powers come from its refreshed cache, but a
+  diagonal block powers its live diagonal at every product, and EK-FAC
+  rescales by its live eigenbasis second moments. With
+  ``stats_sync="before_refresh"`` such leaves differ across replicas
+  between refreshes, so the products average them first
+  (:func:`average_live_factors`). Found by following the data flow of the
+  product's jaxpr (traced once, abstractly) from each leaf of
+  ``block.factors(state)``; a leaf feeding any equation whose results reach
+  the product counts as read.
+
+  Returns:
+    One bool per leaf of ``block.factors(state)``; ``()`` for blocks
+    whose statistics are reduced over the axis at every update
+    (``needs_param_grads``).
+  """
+  if block.needs_param_grads:
+    return ()
+  state = jax.eval_shape(block.init)
+  factors = block.factors(state)
+  if not (hasattr(block, "layer") and hasattr(block, "config")):
+    # A user block without them: average every factor leaf (safe).
+    return (True,) * len(jax.tree.leaves(factors))
+  v = tuple(jax.ShapeDtypeStruct(s, d) for s, d in zip(
+      block.layer.param_shapes, block.layer.param_dtypes))
+  closed = jax.make_jaxpr(
+      lambda f, s, v, e: block.multiply_matpower(
+          block.with_factors(s, f), v, e), static_argnums=3)
+  n = len(jax.tree.leaves(factors))
+  read = [False] * n
+  for e in block.config.cached_exps:
+    jaxpr = closed(factors, state, v, e).jaxpr
+    reach = {var: {i} for i, var in enumerate(jaxpr.invars[:n])}
+    for eqn in jaxpr.eqns:
+      found = set().union(*(reach.get(x, set()) for x in eqn.invars
+                            if not isinstance(x, jax.extend.core.Literal)))
+      if found:
+        reach.update({o: found for o in eqn.outvars})
+    for o in jaxpr.outvars:
+      if not isinstance(o, jax.extend.core.Literal):
+        for i in reach.get(o, ()):
+          read[i] = True
+  return tuple(read)
+
+
+def average_live_factors(blocks: Sequence, states: Sequence,
+                         live: Sequence, axis_name) -> list:
+  """``states`` with the factor leaves flagged in ``live`` (one tuple of
+  bools per block, :func:`live_factors`; a state may stack same-shaped
+  layers) averaged over ``axis_name`` (one all-reduce for all of them)."""
+  picked, where = [], []
+  for k, (b, s, flags) in enumerate(zip(blocks, states, live)):
+    for i, (x, f) in enumerate(zip(jax.tree.leaves(b.factors(s)), flags)):
+      if f:
+        picked.append(x)
+        where.append((k, i))
+  if not picked:
+    return list(states)
+  picked = lax.pmean(picked, axis_name)
+  out = list(states)
+  for k in sorted({k for k, _ in where}):
+    factors = blocks[k].factors(states[k])
+    leaves, tree = jax.tree.flatten(factors)
+    for (kk, i), x in zip(where, picked):
+      if kk == k:
+        leaves[i] = x
+    out[k] = blocks[k].with_factors(states[k], jax.tree.unflatten(tree, leaves))
+  return out
 
 
 def refresh_cost(state) -> float:

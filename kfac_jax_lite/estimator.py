@@ -35,7 +35,6 @@ from kfac_jax_lite.statistics import stats_rows  # noqa: F401  (re-export)
 from kfac_jax_lite.stats import Stats
 
 
-
 @dataclasses.dataclass(frozen=True)
 class FisherEstimator:
   """Block-diagonal curvature estimate for the layers of a collection.
@@ -76,6 +75,9 @@ class FisherEstimator:
       per update, but between refreshes the replicas' factors (and so
       ``multiply``, ``full_fisher``) are local, and the state must be kept
       per replica (``pmap``, or ``shard_map`` with a sharded state).
+      Products at the cached ``exps`` average the few factor leaves they
+      read directly (a diagonal block's diagonal, EK-FAC's rescaling), so
+      every replica preconditions alike.
     distributed_inverses: split :meth:`update_cache` across the devices of
       ``axis_name``: each computes the inverses of its share of the blocks
       and one ``psum`` shares them (:func:`distributed.update_cache`).
@@ -448,6 +450,13 @@ class FisherEstimator:
            else refresh.distributed_update_cache(*args, self.axis_name))
     return self._replace(state, new)
 
+  @functools.cached_property
+  def _live(self) -> tuple:
+    """Per group, the factor leaves its products read directly
+    (:func:`distributed.live_factors`)."""
+    return tuple(distributed.live_factors(self.blocks[g[0]])
+                 for g in self.groups)
+
   def _replace(self, state, per_group) -> EstimatorState:
     return state._replace(stacked=dict(zip(self._names, per_group)))
 
@@ -538,6 +547,11 @@ class FisherEstimator:
     """
     for b in self.blocks:
       blocks_lib.base.check_exp(b, exp)
+    if self.stats_sync == "before_refresh" and self.axis_name is not None:
+      # Live factors differ across replicas until the next refresh.
+      state = self._replace(state, distributed.average_live_factors(
+          [self.blocks[g[0]] for g in self.groups], self._stacked(state),
+          self._live, self.axis_name))
     return self._apply(
         state, v, lambda b, s, x: b.multiply_matpower_raw(s, x, exp),
         finish=lambda b, r, x: b.finish_product(r, x), inputs=inputs)

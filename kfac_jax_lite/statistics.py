@@ -361,6 +361,17 @@ def _site_head(x, site, rows, examples, leading=0):
   return first_examples(x, axis, rows * (x.shape[axis] // examples))
 
 
+def _map_sources(pull, cts):
+  """``pull`` over the leading (source) axis of ``cts``: one ``vmap``, or a
+  ``lax.map`` where JAX has no batching rule for the backward pass (the
+  kernel transpose of a grouped convolution, as in depthwise and separable
+  layers, under ``shard_map``/``pmap``)."""
+  try:
+    return jax.vmap(pull)(cts)
+  except NotImplementedError:
+    return lax.map(pull, cts)
+
+
 def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
                      need_all_param_grads, axis_name=None,
                      fraction: float = 1.0, min_rows: int = 1) -> Pass:
@@ -387,7 +398,7 @@ def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
     p_bars, eps_bars = jax.tree.map(
         lambda x: x[None], pull(tuple(c[0] for c in cts)))
   else:
-    p_bars, eps_bars = jax.vmap(pull)(cts)
+    p_bars, eps_bars = _map_sources(pull, cts)
   block_p_bars, block_batch = p_bars, batch_size
   if axis_name is not None and generic:
     # Square-of-sum statistics are no means over examples: sum the
