@@ -91,7 +91,8 @@ def per_example_grads(fn, params, inputs, grads):
       y = fn(p, x[None])
       return jnp.sum(y * g.reshape(y.shape))
     return ravel(jax.grad(inner)(params))
-  return jax.vmap(jax.vmap(one, (None, 0, 0)), (None, None, 0))(
+  # One program, not hundreds of eager op-by-op compiles.
+  return jax.jit(jax.vmap(jax.vmap(one, (None, 0, 0)), (None, None, 0)))(
       params, inputs, grads)
 
 

@@ -62,12 +62,13 @@ def _split(tree):
   return jax.tree.map(lambda x: x.reshape((R, -1) + x.shape[1:]), tree)
 
 
+@jax.jit  # Jitted and on host: not one eager compile per leaf shape.
 def _replicate(tree):
   return jax.tree.map(lambda x: jnp.stack([x] * R), tree)
 
 
 def _first(tree):
-  return jax.tree.map(lambda x: x[0], tree)
+  return jax.tree.map(lambda x: np.asarray(x)[0], tree)
 
 
 def _mean_grad(mapping):
@@ -96,7 +97,7 @@ def _steps(mapping, make_tx, params, batches, mesh):
   def step(state, params, batch):
     return tx.update(grad(params, batch), state, params, batch=batch)
 
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
   if mapping == "pmap":
     fn = jax.pmap(step, axis_name="d", in_axes=(0, None, 0))
     state, prep = _replicate(state), _split
@@ -115,6 +116,7 @@ def _steps(mapping, make_tx, params, batches, mesh):
     directions.append(d)
   if mapping == "pmap":
     for x in jax.tree.leaves((directions, state)):
+      x = np.asarray(x)
       for r in range(1, R):
         np.testing.assert_array_equal(x[r], x[0])
     directions, state = _first(directions), _first(state)
@@ -175,7 +177,7 @@ def test_one_pass_stats_under_shard_map_match_one_device(problem, mesh):
       step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(axis)),
                            out_specs=(P(), P(), P()))
     step = jax.jit(step)
-    p, s, losses = params, tx.init(params), []
+    p, s, losses = params, jax.jit(tx.init)(params), []
     for b in batches:
       p, s, loss = step(p, s, b)
       losses.append(loss)
@@ -214,7 +216,7 @@ def test_kfac_optimizer_data_parallel_matches_one_device(problem, mesh):
     if axis:
       step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(axis)),
                            out_specs=(P(), P()))
-    step, p, s = jax.jit(step), params, tx.init(params)
+    step, p, s = jax.jit(step), params, jax.jit(tx.init)(params)
     for b in batches:
       p, s = step(p, s, b)
     return p, s
@@ -247,16 +249,18 @@ def test_replica_states_stay_bitwise_identical(problem, make):
     return optax.apply_updates(params, updates), state
 
   step = jax.pmap(step, axis_name="d")
-  p, s = _replicate(params), _replicate(tx.init(params))
+  p, s = _replicate(params), _replicate(jax.jit(tx.init)(params))
   for i in range(20):
     b = helpers.classification_batch(jax.random.PRNGKey(100 + i), 16, 6, 3)
     p, s = step(p, s, _split(b))
   leaves = jax.tree.leaves((p, s))
   for x in leaves:
+    x = np.asarray(x)
     assert np.all(np.isfinite(x))
     for r in range(1, R):
       np.testing.assert_array_equal(x[r], x[0])
-  moved = jax.tree.map(lambda a, b: np.abs(a[0] - b).max(), p, params)
+  moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a)[0] - b).max(), p,
+                       params)
   assert min(jax.tree.leaves(moved)) > 0  # It trained.
 
 

@@ -29,10 +29,13 @@ DAMPING = 0.1
 def _fit(block, data, damping=DAMPING):
   """One batch: the factors, a refresh (the basis of this batch's A and G),
   then the scalings of the same batch in that basis (``ema_decay=0``)."""
-  stats = block.compute_stats(data)
-  state = block.update_curvature(block.init(), stats, 0.95)
-  state = block.update_cache(state, damping)
-  return block.update_curvature(state, stats, 0.0)
+  @jax.jit  # One program, not hundreds of eager op-by-op compiles.
+  def fit():
+    stats = block.compute_stats(data)
+    state = block.update_curvature(block.init(), stats, 0.95)
+    state = block.update_cache(state, damping)
+    return block.update_curvature(state, stats, 0.0)
+  return fit()
 
 
 def _explicit_fisher(layer, data, params, fn, conv=False):
@@ -87,13 +90,13 @@ def test_scalings_are_the_diagonal_of_the_exact_block_in_the_basis(name):
                              atol=1e-9 * np.abs(rot).max())
   np.testing.assert_allclose(
       float(state.scale) * np.diag(rot),
-      np.asarray(ekfac.kfac_eigenvalues(state)).reshape(-1),
+      np.asarray(jax.jit(ekfac.kfac_eigenvalues)(state)).reshape(-1),
       rtol=1e-8, atol=1e-10 * np.abs(rot).max())
   # s = diag(Uᵀ F U), and the EK-FAC block is U diag(s) Uᵀ.
   want = np.diag(u.T @ f @ u)
   np.testing.assert_allclose(np.asarray(state.s).reshape(-1), want,
                              rtol=1e-9, atol=1e-12 * want.max())
-  ek = np.asarray(block.full_fisher_block(state))
+  ek = np.asarray(jax.jit(block.full_fisher_block)(state))
   np.testing.assert_allclose(ek, u @ np.diag(want) @ u.T,
                              atol=1e-9 * np.abs(f).max())
   # No further from F (Frobenius) than K-FAC's c A ⊗ G; strictly here.
@@ -285,14 +288,19 @@ def test_multi_use_through_scan_is_exact_per_example_summed():
   seq = [l for l in coll.layers if l.num_uses == 3]
   assert len(seq) == 1 and seq[0].approx == "ekfac"
   est = kl.FisherEstimator(coll, estimation_mode="empirical")
-  state = est.update_curvature(est.init(params), params, batch)
-  state = est.update_cache(state)
-  state = est.update_curvature(state, params, batch, ema_decay=0.0)
+
+  @jax.jit  # One program, not hundreds of eager op-by-op compiles.
+  def curvature(params, batch):
+    state = est.update_curvature(est.init(params), params, batch)
+    state = est.update_cache(state)
+    return est.update_curvature(state, params, batch, ema_decay=0.0)
+  state = curvature(params, batch)
 
   def one(p, x, y):
     return _seq_loss(p, (x[None], y[None]))
 
-  grads = jax.vmap(jax.grad(one), (None, 0, 0))(params, *batch)["seq"]
+  grads = jax.jit(jax.vmap(jax.grad(one), (None, 0, 0)))(
+      params, *batch)["seq"]
   flat = np.concatenate([np.asarray(grads["w"]).reshape(10, -1),
                          np.asarray(grads["b"])], axis=1)
   f = flat.T @ flat / 10
@@ -302,7 +310,7 @@ def test_multi_use_through_scan_is_exact_per_example_summed():
   want = np.diag(u.T @ f @ u)
   np.testing.assert_allclose(np.asarray(st.s).reshape(-1), want, rtol=1e-8,
                              atol=1e-12)
-  np.testing.assert_allclose(block.full_fisher_block(st),
+  np.testing.assert_allclose(jax.jit(block.full_fisher_block)(st),
                              u @ np.diag(want) @ u.T,
                              atol=1e-9 * np.abs(f).max())
 

@@ -49,10 +49,14 @@ def _per_layer_stats(est, params, batch, rng):
 
 def _some_state(est, params, batch):
   """A state with distinct factors per layer (two updates, one refresh)."""
-  state = est.init(params)
-  for k in range(2):
-    state = est.update_curvature(state, params, batch, jax.random.PRNGKey(k))
-  return est.update_cache(state)
+  @jax.jit  # One program, not hundreds of eager op-by-op compiles.
+  def run(params, batch):
+    state = est.init(params)
+    for k in range(2):
+      state = est.update_curvature(state, params, batch,
+                                   jax.random.PRNGKey(k))
+    return est.update_cache(state)
+  return run(params, batch)
 
 
 def _per_layer_product(est, states, v):
@@ -112,7 +116,8 @@ def _per_layer_ema(est, state, stats, decay):
 def test_grouped_ema_equals_per_layer_ema(nan_layer):
   est, params, batch = _estimator()
   state = _some_state(est, params, batch)
-  stats = est.compute_stats(params, batch, jax.random.PRNGKey(7))
+  stats = jax.jit(lambda p, b: est.compute_stats(p, b, jax.random.PRNGKey(7)))(
+      params, batch)
   if nan_layer is not None:
     stats = _set_nan(est, stats, nan_layer)
     assert np.isnan(stats.blocks[nan_layer]["a"][0, 1])
@@ -136,21 +141,26 @@ def test_grouped_ema_equals_per_layer_ema(nan_layer):
 @pytest.mark.parametrize("layers", [None, (0, 2), (1, 2, 3)])
 def test_grouped_state_refresh_and_products_equal_per_layer(layers):
   est, params, batch = _estimator()
-  state = est.init(params)
-  state = est.update_curvature(state, params, batch, jax.random.PRNGKey(0))
-  damping = jnp.asarray(1e-2, jnp.float32)
-  want = [b.update_cache(s, damping) if layers is None or i in layers else s
-          for i, (b, s) in enumerate(zip(est.blocks, state.blocks))]
-  got = est.update_cache(state, 1e-2, layers)
+
+  @jax.jit  # One program, not hundreds of eager op-by-op compiles.
+  def run(params, batch):
+    state = est.init(params)
+    state = est.update_curvature(state, params, batch, jax.random.PRNGKey(0))
+    damping = jnp.asarray(1e-2, jnp.float32)
+    want = [b.update_cache(s, damping) if layers is None or i in layers else s
+            for i, (b, s) in enumerate(zip(est.blocks, state.blocks))]
+    got = est.update_cache(state, 1e-2, layers)
+    grads = jax.grad(helpers.classifier_loss)(params, batch)
+    return (state, want, got, est.multiply_inverse(got, grads),
+            _per_layer_product(est, want, grads))
+  state, want, got, product, want_product = run(params, batch)
   for i, (g, w) in enumerate(zip(got.blocks, want)):
     for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
     if layers is not None and i not in layers:
       for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(state.blocks[i])):
         np.testing.assert_array_equal(x, y)
-  grads = jax.grad(helpers.classifier_loss)(params, batch)
-  helpers.assert_trees_close(est.multiply_inverse(got, grads),
-                             _per_layer_product(est, want, grads), 1e-5)
+  helpers.assert_trees_close(product, want_product, 1e-5)
 
 
 def test_transform_step_matches_ungrouped_reference():
@@ -159,20 +169,25 @@ def test_transform_step_matches_ungrouped_reference():
   params, batch, loss_fn = _problem()
   collection = kl.scan(loss_fn, params, batch)
   tx = kl.scale_by_kfac(collection, damping=1e-2, inverse_update_period=1)
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
   est = kl.FisherEstimator(collection, damping=1e-2, cov_ema_decay=0.95)
-  ref = est.per_layer(est.init(params))
-  for _ in range(2):
+  ref = est.per_layer(jax.jit(est.init)(params))
+  # Jitted once for both steps: not op by op, not one compile a step.
+  step = jax.jit(lambda g, s: tx.update(g, s, params, batch=batch))
+
+  @jax.jit
+  def reference(ref, key):
     grads = jax.grad(loss_fn)(params, batch)
-    key = keys.step_keys(state.rng)[0]
-    direction, state = jax.jit(
-        lambda g, s: tx.update(g, s, params, batch=batch))(grads, state)
     stats = _per_layer_stats(est, params, batch, key)
     ref = [b.update_curvature(s, st, 0.95)
            for b, s, st in zip(est.blocks, ref, stats)]
     ref = [b.update_cache(s, 1e-2) for b, s in zip(est.blocks, ref)]
-    helpers.assert_trees_close(direction,
-                               _per_layer_product(est, ref, grads), 1e-4)
+    return grads, ref, _per_layer_product(est, ref, grads)
+  for _ in range(2):
+    key = keys.step_keys(state.rng)[0]
+    grads, ref, want = reference(ref, key)
+    direction, state = step(grads, state)
+    helpers.assert_trees_close(direction, want, 1e-4)
 
 
 @pytest.mark.perf

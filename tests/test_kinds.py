@@ -241,13 +241,13 @@ def test_estimator_and_kfac_use_a_user_block_per_call():
   assert not isinstance(est.blocks[1], IsotropicBlock)
   assert not any(isinstance(b, IsotropicBlock)
                  for b in kl.FisherEstimator(col).blocks)
-  state = est.update_curvature(est.init(params), params, batches[0],
-                               ema_decay=0.0)
-  state = est.update_cache(state, damping=0.5)
+  # Jitted programs, not hundreds of eager op-by-op compiles.
+  state = jax.jit(lambda p, b: est.update_cache(est.update_curvature(
+      est.init(p), p, b, ema_decay=0.0), damping=0.5))(params, batches[0])
   tau = est.per_layer(state)[0].tau
   assert float(tau) > 0
   v = jax.tree.map(jnp.ones_like, params)
-  got = est.multiply_inverse(state, v)
+  got = jax.jit(est.multiply_inverse)(state, v)
   layer0 = [jax.tree_util.keystr(p) for p, _ in
             jax.tree_util.tree_flatten_with_path(params)[0]]
   mine = [g for path, g in zip(layer0, jax.tree.leaves(got))
@@ -256,11 +256,15 @@ def test_estimator_and_kfac_use_a_user_block_per_call():
   for g in mine:
     np.testing.assert_allclose(g, 1.0 / (float(tau) + 0.5), rtol=1e-12)
   tx = kl.kfac(0.1, col, estimator=est)
-  opt = tx.init(params)
+  opt = jax.jit(tx.init)(params)
   vgs = kl.value_grad_and_stats(helpers.classifier_loss, col, estimator=est)
+
+  @jax.jit
+  def step(opt, params, batch, key):
+    _, grads, stats = vgs(params, batch, key)
+    return tx.update(grads, opt, params, stats=stats)
   for i, batch in enumerate(batches):
-    _, grads, stats = vgs(params, batch, jax.random.PRNGKey(i))
-    updates, opt = tx.update(grads, opt, params, stats=stats)
+    updates, opt = step(opt, params, batch, jax.random.PRNGKey(i))
   curvature = opt.inner[0]
   assert isinstance(est.per_layer(curvature.estimator)[0], IsotropicState)
   assert float(est.per_layer(curvature.estimator)[0].tau) > 0

@@ -132,7 +132,8 @@ def test_rnn_factors_through_scan_equal_explicit():
   batch = (batch[0].astype(jnp.float64), batch[1])
   c = kl.scan(problems.rnn_loss, params, batch)
   est = kl.FisherEstimator(c, estimation_mode="empirical")
-  state = est.update_curvature(est.init(params), params, batch)
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b))(
+      params, batch)   # One program, not hundreds of eager compiles.
   xs, y = batch
   t_len, b_len = xs.shape[:2]
   hdim = params["cell"]["w"].shape[1]
@@ -149,8 +150,8 @@ def test_rnn_factors_through_scan_equal_explicit():
             jnp.stack(zs))
 
   eps0 = jnp.zeros((t_len, hdim))
-  per_ex = jax.vmap(lambda xb, yb: jax.grad(single, has_aux=True)(
-      eps0, xb, yb), in_axes=(1, 0))
+  per_ex = jax.jit(jax.vmap(lambda xb, yb: jax.grad(single, has_aux=True)(
+      eps0, xb, yb), in_axes=(1, 0)))
   g, zs = per_ex(xs, y)                                  # [B, T, h], [B, T, d]
   abar = helpers.with_bias_column(np.asarray(zs).reshape(-1, zs.shape[-1]))
   g = np.asarray(g).reshape(-1, hdim)
@@ -163,7 +164,7 @@ def test_rnn_factors_through_scan_equal_explicit():
   # The block is scaled by the number of uses (kron_indep, c = T).
   blk = est.blocks[cell]
   np.testing.assert_allclose(
-      blk.full_fisher_block(state.blocks[cell]),
+      jax.jit(blk.full_fisher_block)(state.blocks[cell]),
       t_len * np.kron(abar.T @ abar / n, g.T @ g / n), rtol=1e-10, atol=1e-12)
 
 

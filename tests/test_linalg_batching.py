@@ -33,15 +33,18 @@ def test_grouped_refresh_uses_unbatched_lapack_and_matches(damping_type):
   batch = helpers.classification_batch(jax.random.PRNGKey(1), 16, 5, 3)
   c = kl.scan(helpers.classifier_loss, params, batch)
   est = kl.FisherEstimator(c, damping=1e-2, damping_type=damping_type)
-  state = est.update_curvature(est.init(params), params, batch,
-                               jax.random.PRNGKey(2))
+  # Jitted programs, not hundreds of eager op-by-op compiles.
+  state = jax.jit(lambda p, b: est.update_curvature(
+      est.init(p), p, b, jax.random.PRNGKey(2)))(params, batch)
   text = jax.jit(est.update_cache).lower(state).as_text()
   dims = _lapack_batch_dims(text)
   assert dims, "expected LAPACK calls in the refresh"
   assert dims == [0] * len(dims), dims
-  grouped = est.update_cache(state)
-  for i, (b, s) in enumerate(zip(est.blocks, state.blocks)):
-    alone = b.update_cache(s, jnp.asarray(1e-2, jnp.float32))
+  grouped = jax.jit(est.update_cache)(state)
+  alones = jax.jit(lambda blocks: [
+      b.update_cache(s, jnp.asarray(1e-2, jnp.float32))
+      for b, s in zip(est.blocks, blocks)])(state.blocks)
+  for i, alone in enumerate(alones):
     helpers.assert_trees_close(grouped.blocks[i].cache, alone.cache,
                                rtol=1e-5)
 

@@ -78,33 +78,42 @@ def test_quadratic_model_matches_explicit_solve_with_dense_fisher():
     batches = [(x.astype(jnp.float64), y) for x, y in batches]
     tx = kl.kfac_optimizer(c, initial_damping=0.1, estimation_mode="exact",
                            adapt_damping=False, inverse_update_period=1)
-    state = tx.init(params)
+    # Jitted programs throughout, not hundreds of eager op-by-op compiles.
+    state = jax.jit(tx.init)(params)
     step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))
+    grad = jax.jit(jax.grad(helpers.classifier_loss))
+    apply = jax.jit(optax.apply_updates)
     for batch in batches[:2]:
       prev = state.velocity
-      grads = jax.grad(helpers.classifier_loss)(params, batch)
+      grads = grad(params, batch)
       updates, state = step(grads, state, params, batch)
       params_before = params
-      params = optax.apply_updates(params, updates)
+      params = apply(params, updates)
     # Rebuild Δ from the state's (just refreshed) preconditioner.
     est = kl.FisherEstimator(c, estimation_mode="exact")
-    delta = jax.tree.map(lambda d: -d, est.multiply_inverse(
-        state.curvature.estimator, grads))
     flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]  # noqa: E731
     _, unravel = jax.flatten_util.ravel_pytree(params_before)
     x, y = batch
 
-    def logits(f):
-      out, _ = helpers.mlp_forward(unravel(f), x, tag=False)
-      return out
+    @jax.jit
+    def reference(estimator_state, grads, params_before, prev, x):
+      delta = jax.tree.map(lambda d: -d, est.multiply_inverse(
+          estimator_state, grads))
 
-    jac = jax.jacobian(logits)(flat(params_before))        # [B, K, P]
-    p = jax.nn.softmax(logits(flat(params_before)))
-    f_r = jax.vmap(lambda q: jnp.diag(q) - jnp.outer(q, q))(p)
-    fisher = jnp.einsum("bkp,bkl,blq->pq", jac, f_r, jac) / x.shape[0]
-    u = jnp.stack([flat(delta), flat(prev)], 1)
-    m = u.T @ (fisher + 0.1 * jnp.eye(fisher.shape[0])) @ u
-    cvec = u.T @ flat(grads)
+      def logits(f):
+        out, _ = helpers.mlp_forward(unravel(f), x, tag=False)
+        return out
+
+      jac = jax.jacobian(logits)(flat(params_before))        # [B, K, P]
+      p = jax.nn.softmax(logits(flat(params_before)))
+      f_r = jax.vmap(lambda q: jnp.diag(q) - jnp.outer(q, q))(p)
+      fisher = jnp.einsum("bkp,bkl,blq->pq", jac, f_r, jac) / x.shape[0]
+      u = jnp.stack([flat(delta), flat(prev)], 1)
+      m = u.T @ (fisher + 0.1 * jnp.eye(fisher.shape[0])) @ u
+      cvec = u.T @ flat(grads)
+      return u, m, cvec
+    u, m, cvec = reference(state.curvature.estimator, grads, params_before,
+                           prev, x)
     alpha, mu = -np.linalg.solve(m, cvec)
     assert abs(float(mu)) > 1e-6  # second step: momentum is in play
     np.testing.assert_allclose(state.learning_rate, alpha, rtol=1e-8)

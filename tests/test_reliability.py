@@ -380,10 +380,11 @@ def test_flax_serialization_round_trip(problem):
   from flax import serialization  # pylint: disable=import-outside-toplevel
   params, batch, c = problem
   tx = kl.kfac_optimizer(c)
-  state = tx.init(params)
-  grads = jax.grad(helpers.classifier_loss)(params, batch)
-  _, state = tx.update(grads, state, params, batch=batch)
-  restored = serialization.from_bytes(tx.init(params),
+  init = jax.jit(tx.init)  # Jitted: not hundreds of eager op-by-op compiles.
+  _, state = jax.jit(lambda p, s, b: tx.update(
+      jax.grad(helpers.classifier_loss)(p, b), s, p, batch=b))(
+          params, init(params), batch)
+  restored = serialization.from_bytes(init(params),
                                       serialization.to_bytes(state))
   assert jax.tree.structure(restored) == jax.tree.structure(state)
   for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):

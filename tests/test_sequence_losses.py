@@ -6,6 +6,8 @@ for the three loss kinds, registered on ``[B, T, E]`` or on the flattened
 ``[B·T, E]``, with and without a padding mask.
 """
 
+import functools
+
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ def _x64():
     yield
 
 
+@functools.partial(jax.jit, static_argnums=0)  # One compile, not one a draw.
 def _params(seed=0):
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
   return {"l1": {"b": 0.1 * jax.random.normal(ks[0], (H,)),
@@ -41,6 +44,7 @@ def _model(params, x):
   return h @ params["l2"]["w"] + params["l2"]["b"]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _batch(kind, seed=1):
   kx, ky = jax.random.split(jax.random.PRNGKey(seed))
   x = jax.random.normal(kx, (B, T, D))
@@ -98,11 +102,15 @@ def _loss_fn(kind, flat, masked):
 def _explicit_ggn(loss_of_z, params, batch):
   """``Jᵀ H J`` in ``ravel_pytree(params)`` order, ``H = ∇²_z loss``."""
   flat, unravel = jax.flatten_util.ravel_pytree(params)
-  z_of = lambda p: _model(unravel(p), batch["x"]).reshape(-1)  # noqa: E731
-  jac = jax.jacobian(z_of)(flat)
-  z = z_of(flat)
-  hess = jax.hessian(lambda zz: loss_of_z(zz.reshape(B, T, E)))(z)
-  return jac.T @ hess @ jac
+
+  @jax.jit  # One program, not hundreds of eager op-by-op compiles.
+  def ggn(flat, x):
+    z_of = lambda p: _model(unravel(p), x).reshape(-1)  # noqa: E731
+    jac = jax.jacobian(z_of)(flat)
+    z = z_of(flat)
+    hess = jax.hessian(lambda zz: loss_of_z(zz.reshape(B, T, E)))(z)
+    return jac.T @ hess @ jac
+  return ggn(flat, batch["x"])
 
 
 def _block_diagonal(m, params):
@@ -119,9 +127,8 @@ def _full_fisher(loss_fn, params, batch, mode="exact_GGN", approx="full",
       "fully_connected_multi": approx})
   assert {l.approx for l in collection.layers} == {approx}
   est = kl.FisherEstimator(collection, estimation_mode=mode, **kw)
-  state = jax.jit(lambda p, b: est.update_curvature(
-      est.init(p), p, b, jax.random.PRNGKey(5)))(params, batch)
-  return np.asarray(est.full_fisher(state))
+  return np.asarray(jax.jit(lambda p, b: est.full_fisher(est.update_curvature(
+      est.init(p), p, b, jax.random.PRNGKey(5))))(params, batch))
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -173,11 +180,15 @@ def test_empirical_fisher_uses_each_examples_summed_position_gradients():
   def example_sum(p, xb, yb, mb):
     z = _model(p, xb[None])[0]
     return jnp.sum(_per_position(kind, z, yb) * mb)
-  per_example = jax.vmap(jax.grad(example_sum), (None, 0, 0, 0))(
-      params, batch["x"], batch["y"], batch["mask"])
-  flat = jax.vmap(lambda g: jax.flatten_util.ravel_pytree(g)[0])(
-      per_example)
-  want = flat.T @ flat / jnp.sum(batch["mask"])
+
+  @jax.jit
+  def explicit(params, batch):
+    per_example = jax.vmap(jax.grad(example_sum), (None, 0, 0, 0))(
+        params, batch["x"], batch["y"], batch["mask"])
+    flat = jax.vmap(lambda g: jax.flatten_util.ravel_pytree(g)[0])(
+        per_example)
+    return flat.T @ flat / jnp.sum(batch["mask"])
+  want = explicit(params, batch)
   np.testing.assert_allclose(got, _block_diagonal(want, params), rtol=1e-9,
                              atol=1e-12)
 
@@ -247,15 +258,20 @@ def test_stats_fraction_keeps_whole_sequences_of_a_flattened_tag():
   est = kl.FisherEstimator(collection, estimation_mode="exact",
                            stats_fraction=0.5, stats_min_examples=1)
   key = jax.random.PRNGKey(0)
-  lin = est.linearize(params, batch)
-  head = est.linearize_head(params, batch, lin)
-  assert head is not lin and head.zs[0].shape == (B * T, E)
   first = jax.tree.map(lambda x: x[:B], batch)
   one = kl.FisherEstimator(kl.scan(_flat_masked, params, first),
                            estimation_mode="exact")
-  want = one.compute_stats(params, first, key)
-  # Cut in the pass (the whole batch linearised) or by a head pass.
-  for stats in (est.stats_from(lin, key), est.stats_from(head, key)):
+
+  @jax.jit  # One program, not hundreds of eager op-by-op compiles.
+  def run(params, batch, first, key):
+    lin = est.linearize(params, batch)
+    head = est.linearize_head(params, batch, lin)
+    assert head is not lin and head.zs[0].shape == (B * T, E)
+    want = one.compute_stats(params, first, key)
+    # Cut in the pass (the whole batch linearised) or by a head pass.
+    return want, (est.stats_from(lin, key), est.stats_from(head, key))
+  want, both = run(params, batch, first, key)
+  for stats in both:
     for got, ref in zip(stats.blocks, want.blocks):
       for k in ("a", "g"):
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-9, atol=1e-12)
@@ -292,9 +308,8 @@ def _nested_masked(params, batch):
 
 
 def _one_update(tx, params, batch):
-  grads = jax.grad(_flat_masked)(params, batch)
-  updates, _ = jax.jit(lambda g, p, b: tx.update(g, tx.init(p), p, batch=b))(
-      grads, params, batch)
+  updates, _ = jax.jit(lambda p, b: tx.update(
+      jax.grad(_flat_masked)(p, b), tx.init(p), p, batch=b))(params, batch)
   return updates
 
 

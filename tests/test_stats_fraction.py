@@ -22,7 +22,8 @@ def _stats(collection, params, batch, fraction, mode="exact", **kw):
                                 estimation_mode=mode,
                                 stats_fraction=fraction,
                                 stats_min_examples=1, **kw)
-  return vgs(params, batch, jax.random.PRNGKey(3))
+  # One jitted program, not hundreds of eager op-by-op compiles.
+  return jax.jit(lambda p, b: vgs(p, b, jax.random.PRNGKey(3)))(params, batch)
 
 
 @pytest.mark.parametrize("fraction,rows", [
@@ -123,11 +124,10 @@ def test_transforms_pass_the_fraction_to_their_estimator():
                            stats_min_examples=1, estimation_mode="exact")
   for tx in (kl.kfac(1e-2, collection, estimator=est),
              kl.kfac_optimizer(collection, estimator=est)):
-    state = tx.init(params)
-    grads = jax.grad(helpers.classifier_loss)(params, batch)
-    updates, state = jax.jit(lambda g, s, p, b, tx=tx: tx.update(
-        g, s, p, batch=b))(grads, state, params, batch)
-    assert all(jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates))
+    updates, state = jax.jit(lambda p, b, tx=tx: tx.update(
+        jax.grad(helpers.classifier_loss)(p, b), tx.init(p), p, batch=b))(
+            params, batch)
+    assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
     curv = [x for x in jax.tree.leaves(
         state, is_leaf=lambda x: isinstance(x, kl.transform.CurvatureState))
             if isinstance(x, kl.transform.CurvatureState)][0]
@@ -192,29 +192,34 @@ def test_optimizer_fisher_products_come_from_the_head_of_the_batch():
   collection = kl.scan(helpers.classifier_loss, params, batch)
   est = kl.FisherEstimator(collection, stats_fraction=0.5,
                            stats_min_examples=1)
-  lin = est.linearize(params, batch)
-  head = est.linearize_head(params, batch, lin)
-  assert head is not lin and head.head_only
-  assert [z.shape[0] for z in head.zs] == [4]
-  u = jax.grad(helpers.classifier_loss)(params, batch)
-  v = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
-  got = kl.optimizer.fisher_gram(head, [u, v])
-  first = jax.tree.map(lambda x: x[:4], batch)
-  want = kl.optimizer.fisher_gram(est.linearize(params, first), [u, v])
-  everything = kl.optimizer.fisher_gram(lin, [u, v])
-  np.testing.assert_allclose(got, want, rtol=1e-5)
-  assert not np.allclose(got, everything, rtol=1e-3)
-  # Its statistics use every one of its rows (it is the head already).
-  rng = jax.random.PRNGKey(0)
   exact = kl.FisherEstimator(collection, stats_fraction=0.5,
                              stats_min_examples=1, estimation_mode="exact")
-  stats = exact.stats_from(exact.linearize_head(params, batch, lin), rng)
-  ref = exact.stats_from(exact.linearize(params, batch), rng)
+
+  @jax.jit  # One program, not hundreds of eager op-by-op compiles.
+  def run(params, batch):
+    lin = est.linearize(params, batch)
+    head = est.linearize_head(params, batch, lin)
+    assert head is not lin and head.head_only
+    assert [z.shape[0] for z in head.zs] == [4]
+    u = jax.grad(helpers.classifier_loss)(params, batch)
+    v = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+    got = kl.optimizer.fisher_gram(head, [u, v])
+    first = jax.tree.map(lambda x: x[:4], batch)
+    want = kl.optimizer.fisher_gram(est.linearize(params, first), [u, v])
+    everything = kl.optimizer.fisher_gram(lin, [u, v])
+    # Its statistics use every one of its rows (it is the head already).
+    rng = jax.random.PRNGKey(0)
+    stats = exact.stats_from(exact.linearize_head(params, batch, lin), rng)
+    ref = exact.stats_from(exact.linearize(params, batch), rng)
+    # Without stats_fraction there is no second forward pass.
+    assert kl.FisherEstimator(collection).linearize_head(params, batch,
+                                                         lin) is lin
+    return got, want, everything, stats, ref
+  got, want, everything, stats, ref = run(params, batch)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert not np.allclose(got, everything, rtol=1e-3)
   np.testing.assert_allclose(stats.blocks[0]["a"], ref.blocks[0]["a"],
                              rtol=1e-5, atol=1e-6)
-  # Without stats_fraction there is no second forward pass.
-  assert kl.FisherEstimator(collection).linearize_head(params, batch,
-                                                       lin) is lin
 
 
 def test_time_major_batch_warns_and_keeps_the_whole_batch():

@@ -259,11 +259,12 @@ def _steps(tx, params, batches, poison=()):
     batch = b if isinstance(s, kl.KFACOptimizerState) else None
     return tx.update(grads, s, p, stats=stats, batch=batch)
 
-  step = jax.jit(step)
-  state, out = tx.init(params), []
+  # Jitted init and apply too: not one eager compile per op and shape.
+  step, apply = jax.jit(step), jax.jit(optax.apply_updates)
+  state, out = jax.jit(tx.init)(params), []
   for i, b in enumerate(batches):
     updates, state = step(params, state, b, i in poison)
-    params = optax.apply_updates(params, updates)
+    params = apply(params, updates)
     out.append((updates, state))
   return out
 
@@ -331,6 +332,7 @@ def test_estimator_escape_hatch(problem):
   est = kl.FisherEstimator(c, exps=(-1, -0.5))
   half = _steps((kl.scale_by_kfac(c, power=-0.5, estimator=est), c),
                 params, batches[:1])[0]
-  direct = est.multiply_matpower(half[1].estimator, jax.grad(
-      helpers.classifier_loss)(params, batches[0]), -0.5)
+  direct = jax.jit(lambda s, p, b: est.multiply_matpower(s, jax.grad(
+      helpers.classifier_loss)(p, b), -0.5))(half[1].estimator, params,
+                                            batches[0])
   helpers.assert_trees_close(half[0], direct, rtol=1e-6)
