@@ -1,17 +1,21 @@
-"""FisherEstimator and the one-pass loss / gradient / statistics function.
+"""FisherEstimator: one curvature block per layer, and its verbs.
 
 The estimator holds one curvature block per layer of a collection. Its
-state groups same-shaped blocks (:mod:`kfac_jax_lite.grouping`); the
-statistics come from one linearisation of the loss
+state groups same-shaped blocks (:mod:`kfac_jax_lite.grouping`); its
+products are inherited from :class:`kfac_jax_lite.products.CurvatureProducts`;
+the statistics come from one linearisation of the loss
 (:mod:`kfac_jax_lite.statistics`) and the cached inverses from a bucketed
-refresh (:mod:`kfac_jax_lite.refresh`).
+refresh (:mod:`kfac_jax_lite.refresh`). The one-pass loss / gradient /
+statistics function is :func:`kfac_jax_lite.one_pass.value_grad_and_stats`
+(also importable from here).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, Optional
+import importlib
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import _blas_threads
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import distributed
+from kfac_jax_lite import products
 from kfac_jax_lite import grouping
 from kfac_jax_lite import linalg
 from kfac_jax_lite import refresh
@@ -27,7 +32,7 @@ from kfac_jax_lite import stats as stats_lib
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.grouping import EstimatorState
-from kfac_jax_lite.grouping import ProductInputs
+from kfac_jax_lite.grouping import ProductInputs  # noqa: F401  (re-export)
 from kfac_jax_lite.statistics import canonical_mode
 from kfac_jax_lite.statistics import Linearized
 from kfac_jax_lite.statistics import MODES  # noqa: F401  (re-export)
@@ -36,7 +41,7 @@ from kfac_jax_lite.stats import Stats
 
 
 @dataclasses.dataclass(frozen=True)
-class FisherEstimator:
+class FisherEstimator(products.CurvatureProducts):
   """Block-diagonal curvature estimate for the layers of a collection.
 
   Math: :math:`\\hat F = \\mathrm{diag}(\\hat F_1, \\dots, \\hat F_L)` with one
@@ -222,42 +227,18 @@ class FisherEstimator:
   def _stacked(self, x, name="state") -> list:
     """The per-group entries of a state or statistics, checked against
     this estimator's groups."""
-    if tuple(getattr(x, "stacked", None) or ()) != self._names:
-      got = (list(x.stacked) if isinstance(getattr(x, "stacked", None), dict)
-             else type(x).__name__)
-      raise ValueError(
-          f"{name}=... does not match this estimator: its groups are {got}, "
-          f"the estimator's {list(self._names)}. Pass the {name} made by "
-          "this estimator (init / compute_stats / value_grad_and_stats "
-          "with estimator=...).")
+    entries = grouping.entries(x, self._names, name)
     if isinstance(x, EstimatorState):
-      self._check_state_shapes(x, name)
-    return list(x.stacked.values())
+      grouping.check_state_shapes(
+          x, self._state_shapes, self.groups,
+          [l.name for l in self.collection.layers], name)
+    return entries
 
   @functools.cached_property
   def _state_shapes(self) -> dict:
     return jax.eval_shape(lambda: {n: grouping.combine(
         [self.blocks[i].init() for i in g])
         for n, g in zip(self._names, self.groups)})
-
-  def _check_state_shapes(self, state: EstimatorState, name: str) -> None:
-    """Each group's arrays end in the shapes :meth:`init` gives them
-    (leading axes, e.g. a replica axis, are allowed)."""
-    for group, layers in zip(self._names, self.groups):
-      want = self._state_shapes[group]
-      flat = jax.tree_util.tree_flatten_with_path(want)[0]
-      got = jax.tree.leaves(state.stacked[group])
-      if len(got) != len(flat):
-        continue
-      names = [self.collection.layers[i].name for i in layers]
-      for (path, w), g in zip(flat, got):
-        shape, ws = tuple(jnp.shape(g)), tuple(w.shape)
-        if len(shape) < len(ws) or shape[len(shape) - len(ws):] != ws:
-          raise ValueError(
-              f"{name}=... holds {jax.tree_util.keystr(path)} of shape "
-              f"{shape} for the layers {names}; this estimator's have "
-              f"{ws}: the {name} belongs to another model. Pass the {name} "
-              "made by this estimator (tx.init(params) of this model).")
 
   # ---- statistics --------------------------------------------------------
   def linearize(self, params, batch, with_jvp: bool = False) -> Linearized:
@@ -450,166 +431,8 @@ class FisherEstimator:
            else refresh.distributed_update_cache(*args, self.axis_name))
     return self._replace(state, new)
 
-  @functools.cached_property
-  def _live(self) -> tuple:
-    """Per group, the factor leaves its products read directly
-    (:func:`distributed.live_factors`)."""
-    return tuple(distributed.live_factors(self.blocks[g[0]])
-                 for g in self.groups)
-
   def _replace(self, state, per_group) -> EstimatorState:
     return state._replace(stacked=dict(zip(self._names, per_group)))
-
-  # ---- products ----------------------------------------------------------
-  def _per_group(self, state, fn, xs) -> list:
-    """``fn(block, group_state, x)`` per group: one ``vmap`` over the
-    group's stack and its ``xs`` (:func:`grouping.combine` of its layers'
-    values); results stacked like the state."""
-    return [grouping.map_group(fn, self.blocks[g[0]], len(g), st, x)
-            for g, st, x in zip(self.groups, self._stacked(state), xs)]
-
-  def _combine(self, parts) -> list:
-    return [grouping.combine([parts[i] for i in g]) for g in self.groups]
-
-  def _apply(self, state, v, fn: Callable, finish=None, inputs=None):
-    """The params-shaped product: ``fn(block, state, x)`` per group, then
-    the results split per layer (at runtime indices,
-    :func:`grouping.unstack`) and ``finish(block, r, x)`` (optional)
-    turning a layer's result ``r`` into its parameter tuple. The split and
-    the finish sit together under ``kfac_merge``, where their slices fuse
-    with the consumers of the product. ``inputs`` (:meth:`product_inputs`
-    of ``v``) replaces ``v``'s own per-layer tuples as what ``fn``
-    multiplies."""
-    if inputs is None:
-      leaves, parts = grouping.split_params(self.collection, v)
-      xs = self._combine(parts)
-    else:
-      leaves, parts, xs = inputs.leaves, inputs.parts, inputs.per_group
-    out = self._per_group(state, fn, xs)
-    finish = finish or (lambda b, r, x: r)
-    with jax.named_scope("kfac_merge"):
-      out = grouping.per_layer(self.groups, out, len(self.blocks),
-                               runtime_index=True)
-      return grouping.merge_params(self.collection, v, leaves, [
-          finish(b, r, x) for b, r, x in zip(self.blocks, out, parts)])
-
-  def product_inputs(self, state, v, name: str = "v") -> ProductInputs:
-    """``v`` (params-shaped) as :meth:`multiply_matpower` multiplies it:
-    per group of ``state``, the blocks'
-    :meth:`~blocks.base.Block.product_input` (``[W; b]`` for dense
-    layers), stacked like the group's state.
-
-    Pass it to :meth:`multiply_matpower` as ``inputs=``. A caller that
-    also checks ``v`` (the transforms' finiteness check) checks
-    :meth:`ProductInputs.checked` instead: ``v``'s leaves are then read
-    once, by the kernels that build the matrices
-    (docs/performance.md#product-inputs). ``name`` names ``v`` in the
-    error raised when it does not match the parameters.
-
-    Args:
-      state: the estimator state.
-      v: a params-shaped vector.
-      name: the name of ``v`` in error messages.
-
-    Returns:
-      A ``ProductInputs`` for :meth:`multiply_matpower`'s ``inputs=``.
-
-    Raises:
-      ValueError: if ``v`` does not have the parameters' structure.
-    """
-    leaves, parts = grouping.split_params(self.collection, v, name)
-    per_group = self._per_group(state, lambda b, s, x: b.product_input(x),
-                                self._combine(parts))
-    used = {i for l in self.collection.layers for i in l.param_indices}
-    rest = [x for i, x in enumerate(leaves) if i not in used]
-    return ProductInputs(leaves, parts, per_group, rest)
-
-  def multiply_matpower(self, state, v, exp, inputs=None):
-    """``F̂^exp v`` (damped) for a params-shaped ``v``.
-
-    Each block computes :meth:`~blocks.base.Block.multiply_matpower_raw`
-    (``[W; b]`` as one matrix for dense layers, stacked per group of
-    same-shaped layers); it is cut per layer and per parameter afterwards
-    (:meth:`~blocks.base.Block.finish_product`), where the slices fuse
-    with what consumes the product instead of being kernels of their own.
-
-    Args:
-      state: the estimator state (after :meth:`update_cache`).
-      v: a params-shaped vector.
-      exp: the exponent: 1, or one of the constructor's ``exps``.
-      inputs: :meth:`product_inputs` of ``v``, when the caller made it.
-
-    Returns:
-      ``F̂^exp v``, params-shaped.
-
-    Raises:
-      ValueError: for an exponent neither 1 nor in ``exps``.
-    """
-    for b in self.blocks:
-      blocks_lib.base.check_exp(b, exp)
-    if self.stats_sync == "before_refresh" and self.axis_name is not None:
-      # Live factors differ across replicas until the next refresh.
-      state = self._replace(state, distributed.average_live_factors(
-          [self.blocks[g[0]] for g in self.groups], self._stacked(state),
-          self._live, self.axis_name))
-    return self._apply(
-        state, v, lambda b, s, x: b.multiply_matpower_raw(s, x, exp),
-        finish=lambda b, r, x: b.finish_product(r, x), inputs=inputs)
-
-  def multiply(self, state, v):
-    """``F̂ v``: the damped curvature times a params-shaped ``v``.
-
-    Args:
-      state: the estimator state.
-      v: a params-shaped vector.
-
-    Returns:
-      ``(F̂ + λ) v`` as the blocks damp it, params-shaped.
-    """
-    return self.multiply_matpower(state, v, 1)
-
-  def multiply_inverse(self, state, v):
-    """``F̂⁻¹ v`` (damped), the natural-gradient direction of ``v``.
-
-    Args:
-      state: the estimator state (after :meth:`update_cache`).
-      v: a params-shaped vector.
-
-    Returns:
-      ``(F̂ + λ)⁻¹ v``, params-shaped.
-    """
-    return self.multiply_matpower(state, v, -1)
-
-  def multiply_cholesky(self, state, v, transpose=False):
-    """``C v`` with ``C Cᵀ`` the damped block (``compute_cholesky=True``).
-
-    Args:
-      state: the estimator state (after :meth:`update_cache`).
-      v: a params-shaped vector.
-      transpose: apply ``Cᵀ`` instead.
-
-    Returns:
-      ``C v`` (or ``Cᵀ v``), params-shaped.
-    """
-    blocks_lib.check_cholesky(self.blocks, "multiply_cholesky")
-    return self._apply(state, v, lambda b, s, x: b.multiply_cholesky(
-        s, x, transpose))
-
-  def multiply_cholesky_inverse(self, state, v, transpose=False):
-    """``C⁻¹ v`` with ``C Cᵀ`` the damped block
-    (``compute_cholesky_inverse=True``).
-
-    Args:
-      state: the estimator state (after :meth:`update_cache`).
-      v: a params-shaped vector.
-      transpose: apply ``C⁻ᵀ`` instead.
-
-    Returns:
-      ``C⁻¹ v`` (or ``C⁻ᵀ v``), params-shaped.
-    """
-    blocks_lib.check_cholesky(self.blocks, "multiply_cholesky_inverse")
-    return self._apply(state, v, lambda b, s, x: b.multiply_cholesky_inverse(
-        s, x, transpose))
 
   def full_fisher(self, state):
     """Undamped dense block-diagonal ``[P, P]``, ``ravel_pytree`` order.
@@ -644,75 +467,10 @@ class FisherEstimator:
     return state.params_stats
 
 
-# ---------------------------------------------------------------------------
-# One pass for loss, gradient and statistics.
-# ---------------------------------------------------------------------------
-
-
-def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
-                         estimation_mode: str = "gradients",
-                         has_aux: bool = False, num_samples: int = 1,
-                         axis_name: Any = None,
-                         stats_sync: str = "every_update",
-                         stats_fraction: float = 1.0,
-                         stats_min_examples: int = 64,
-                         estimator: Optional[FisherEstimator] = None):
-  """Loss, gradient and curvature statistics from one forward pass.
-
-  Returns ``fn(params, batch, rng) -> (loss_or_(loss, aux), grads, stats)``.
-  The gradient equals ``jax.grad(loss_fn)``; ``stats`` can be passed to
-  ``FisherEstimator.update_curvature(stats=...)`` or to the optax
-  transforms' ``update(..., stats=...)``.
-
-  Under ``pmap``/``shard_map`` the loss and gradient are this replica's
-  (average the gradient yourself, ``lax.pmean(grads, axis_name)``); the
-  statistics are reduced over ``axis_name`` as the consumer expects, so
-  give the same ``axis_name`` and ``stats_sync`` as the transform (a
-  mismatch raises ``ValueError`` in ``update``).
-
-  Args:
-    loss_fn: the scanned loss function (must be ``collection.loss_fn``).
-    collection: its LayerCollection.
-    estimation_mode: as :class:`FisherEstimator`; must match the consumer.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``.
-    num_samples: target draws per example.
-    axis_name: the data-parallel axis, as for :class:`FisherEstimator`.
-    stats_sync: as for :class:`FisherEstimator`; must match the consumer.
-    stats_fraction: as for :class:`FisherEstimator`.
-    stats_min_examples: as for :class:`FisherEstimator`.
-    estimator: use this estimator's blocks and options instead (give the
-      consumer the same one).
-
-  Returns:
-    ``fn(params, batch, rng) -> (loss_or_(loss, aux), grads, stats)``.
-
-  Raises:
-    ValueError: if ``loss_fn`` is not ``collection.loss_fn`` or
-      ``has_aux`` differs from the scan's.
-
-  Example:
-    >>> fn = kl.value_grad_and_stats(loss_fn, collection)
-    >>> loss, grads, stats = fn(params, batch, rng)
-    >>> updates, opt_state = tx.update(grads, opt_state, params,
-    ...                                stats=stats)
-  """
-  if loss_fn is not collection.loss_fn:
-    raise ValueError(
-        "value_grad_and_stats(loss_fn=...) must be the function the "
-        "collection was scanned from (collection.loss_fn).")
-  if has_aux != collection.has_aux:
-    raise ValueError(
-        f"has_aux={has_aux} but the collection was scanned with "
-        f"has_aux={collection.has_aux}.")
-  est = estimator or FisherEstimator(
-      collection, estimation_mode=estimation_mode, num_samples=num_samples,
-      axis_name=axis_name, stats_sync=stats_sync,
-      stats_fraction=stats_fraction, stats_min_examples=stats_min_examples)
-
-  def fn(params, batch, rng):
-    lin = est.linearize(params, batch)
-    stats = est.stats_from(lin, rng)
-    out = (lin.loss, lin.aux) if has_aux else lin.loss
-    return out, lin.gradient(), stats
-
-  return fn
+def __getattr__(name: str):
+  """``value_grad_and_stats``, re-exported from :mod:`kfac_jax_lite.one_pass`
+  (which imports this module, so it is looked up on first use)."""
+  if name == "value_grad_and_stats":
+    one_pass = importlib.import_module("kfac_jax_lite.one_pass")
+    return one_pass.value_grad_and_stats
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -136,6 +136,41 @@ def put(stacked: list, parts, new) -> list:
   return out
 
 
+def entries(x, names: tuple, name: str) -> list:
+  """The per-group entries of a state or statistics ``x`` (named ``name``
+  in the error), checked to have the groups ``names``."""
+  if tuple(getattr(x, "stacked", None) or ()) != names:
+    got = (list(x.stacked) if isinstance(getattr(x, "stacked", None), dict)
+           else type(x).__name__)
+    raise ValueError(
+        f"{name}=... does not match this estimator: its groups are {got}, "
+        f"the estimator's {list(names)}. Pass the {name} made by "
+        "this estimator (init / compute_stats / value_grad_and_stats "
+        "with estimator=...).")
+  return list(x.stacked.values())
+
+
+def check_state_shapes(state: EstimatorState, want: dict, groups,
+                       layer_names, name: str) -> None:
+  """Each group's arrays end in the shapes of ``want`` (the initial
+  state's, per group name; leading axes, e.g. a replica axis, are
+  allowed)."""
+  for (group, shapes), layers in zip(want.items(), groups):
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    got = jax.tree.leaves(state.stacked[group])
+    if len(got) != len(flat):
+      continue
+    names = [layer_names[i] for i in layers]
+    for (path, w), g in zip(flat, got):
+      shape, ws = tuple(jnp.shape(g)), tuple(w.shape)
+      if len(shape) < len(ws) or shape[len(shape) - len(ws):] != ws:
+        raise ValueError(
+            f"{name}=... holds {jax.tree_util.keystr(path)} of shape "
+            f"{shape} for the layers {names}; this estimator's have "
+            f"{ws}: the {name} belongs to another model. Pass the {name} "
+            "made by this estimator (tx.init(params) of this model).")
+
+
 def stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 

@@ -14,15 +14,19 @@ Two primitives carry every tag:
 
 ``meta`` is a sorted tuple of ``(name, value)`` pairs of static (hashable)
 values: strides, padding, the requested approximation, the loss weight, ...
+
+The layers' ``register_*`` functions are here; the convolution tags with
+TensorFlow's argument names are in :mod:`kfac_jax_lite.conv2d_tags` and the
+loss tags in :mod:`kfac_jax_lite.loss_tags`, both re-exported from here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import importlib
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
@@ -110,20 +114,29 @@ def _static_meta(**kwargs) -> tuple:
   return tuple(items)
 
 
-def _check_array(name: str, value, fn: str):
+def check_array(name: str, value, fn: str):
+  """Raises the TypeError of a tag argument that is not an array."""
   if not hasattr(value, "shape") or not hasattr(value, "dtype"):
     raise TypeError(
         f"{fn}: argument {name} must be an array, got {type(value).__name__}.")
 
 
-def _layer_tag(kind: str, y, inputs: Sequence[Any], params: Sequence[Any],
+def layer_tag(kind: str, y, inputs: Sequence[Any], params: Sequence[Any],
                fn: str, **meta):
+  """Checks the arrays and binds the layer tag (the ``register_*``
+  functions' common end)."""
   for i, a in enumerate((y, *inputs, *params)):
-    _check_array(("y", *[f"input{j}" for j in range(len(inputs))],
-                  *[f"param{j}" for j in range(len(params))])[i], a, fn)
+    check_array(("y", *[f"input{j}" for j in range(len(inputs))],
+                 *[f"param{j}" for j in range(len(params))])[i], a, fn)
   return layer_tag_p.bind(
       y, *inputs, *params, kind=kind, n_inputs=len(inputs),
       meta=_static_meta(**meta))
+
+
+def bind_loss_tag(operands: Sequence[Any], kind: str, **meta):
+  """Binds the loss tag to ``operands`` (``z``, then the targets and the
+  mask when given) with the static metadata ``meta``."""
+  return loss_tag_p.bind(*operands, kind=kind, meta=_static_meta(**meta))
 
 
 # --------------------------------------------------------------------------
@@ -171,8 +184,8 @@ def register_dense(y, x, w, b=None, *, approx: Optional[str] = None):
   """
   params = (w,) if b is None else (w, b)
   tag_checks.check_dense_shapes(y, x, w, b)
-  return _layer_tag("fully_connected", y, (x,), params, "register_dense",
-                    approx=approx)
+  return layer_tag("fully_connected", y, (x,), params, "register_dense",
+                   approx=approx)
 
 
 register_fully_connected = register_dense
@@ -226,7 +239,7 @@ def register_conv(y, x, w, b=None, *, window_strides, padding,
       rhs_dilation=rhs_dilation, lhs_dilation=lhs_dilation,
       dimension_numbers=dimension_numbers,
       feature_group_count=feature_group_count)
-  return _layer_tag(
+  return layer_tag(
       "conv", y, (x,), params, "register_conv", **conv_meta_kwargs(
           window_strides=window_strides, padding=padding,
           rhs_dilation=rhs_dilation, lhs_dilation=lhs_dilation,
@@ -263,163 +276,6 @@ def layer_meta(**kwargs) -> tuple:
 register_convolution = register_conv
 
 
-def _strides_2d(strides, name: str, fn: str):
-  given = strides
-  strides = tuple(strides) if isinstance(strides, (list, tuple)) else (
-      strides, strides)
-  if len(strides) == 4:
-    strides = strides[1:3]
-  if len(strides) != 2 or not all(
-      isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1
-      for s in strides):
-    raise ValueError(
-        f"{fn}: {name}={given!r}; expected positive ints: one for both "
-        "axes, 2 spatial values or TF's 4-element form [1, sh, sw, 1].")
-  return strides
-
-
-def _check_data_format(data_format, fn: str):
-  if data_format not in ("NHWC", "NCHW"):
-    raise ValueError(f"{fn}: data_format={data_format!r}; use 'NHWC' or "
-                     "'NCHW'.")
-
-
-def register_conv2d(y, x, w, b=None, *, strides, padding, dilations=None,
-                    data_format: str = "NHWC", approx: Optional[str] = None):
-  """Tags a 2-D convolution, with TensorFlow's argument names.
-
-  The same layer and approximations as :func:`register_conv`, whose
-  arguments this converts (``strides`` -> ``window_strides``,
-  ``dilations`` -> ``rhs_dilation``, ``data_format`` -> the dimension
-  numbers with an ``HWIO`` kernel).
-
-  Args:
-    y: the convolution output (plus bias). Returned unchanged.
-    x: the input, ``[B, H, W, C]`` (``NHWC``) or ``[B, C, H, W]``.
-    w: the kernel ``[h, w, c_in, c_out]`` (``HWIO``).
-    b: optional bias ``[c_out]``.
-    strides: an int, 2 spatial values, or TF's ``[1, sh, sw, 1]``.
-    padding: ``"SAME"``, ``"VALID"`` or explicit pairs.
-    dilations: the kernel dilation, in the form of ``strides``; None for 1.
-    data_format: ``"NHWC"`` (default) or ``"NCHW"``.
-    approx: as for :func:`register_conv`.
-
-  Returns:
-    ``y``, unchanged in value and gradient.
-
-  Raises:
-    ValueError: for a ``data_format`` other than ``NHWC``/``NCHW``, or
-      ``strides``/``dilations`` of the wrong length.
-
-  Example:
-    >>> y = kl.register_conv2d(y, x, w, b, strides=1, padding="SAME")
-  """
-  fn = "register_conv2d"
-  _check_data_format(data_format, fn)
-  dn = (data_format, "HWIO", data_format)
-  return register_conv(
-      y, x, w, b, window_strides=_strides_2d(strides, "strides", fn),
-      padding=padding,
-      rhs_dilation=None if dilations is None else _strides_2d(
-          dilations, "dilations", fn),
-      dimension_numbers=dn, approx=approx)
-
-
-def register_depthwise_conv2d(y, x, w, *, strides, padding, rate=None,
-                              data_format: str = "NHWC",
-                              approx: Optional[str] = None):
-  """Tags a depthwise 2-D convolution with kernel ``[h, w, C, M]``.
-
-  The block works on the equivalent dense filter ``[h, w, C, C*M]`` that is
-  zero off the channel diagonal (TF K-FAC ``DepthwiseConv*FB``).
-
-  Args:
-    y: the convolution output. Returned unchanged.
-    x: the input, ``[B, H, W, C]`` (``NHWC``) or ``[B, C, H, W]``.
-    w: the depthwise kernel ``[h, w, C, M]`` (``M`` channels per input
-      channel).
-    strides: an int, 2 spatial values, or TF's ``[1, sh, sw, 1]``.
-    padding: ``"SAME"``, ``"VALID"`` or explicit pairs.
-    rate: the kernel dilation, in the form of ``strides``; None for 1.
-    data_format: ``"NHWC"`` (default) or ``"NCHW"``.
-    approx: ``diagonal`` (default) or ``kron``.
-
-  Returns:
-    ``y``, unchanged in value and gradient.
-
-  Raises:
-    ValueError: for a ``data_format`` other than ``NHWC``/``NCHW``, or
-      ``strides``/``rate`` of the wrong length.
-
-  Example:
-    >>> y = kl.register_depthwise_conv2d(y, x, w, strides=1, padding="SAME")
-  """
-  fn = "register_depthwise_conv2d"
-  kw = _depthwise_kwargs(fn, strides, padding, rate, data_format)
-  tag_checks.check_depthwise_shapes(fn, y, x, w, **kw)
-  return _layer_tag("depthwise_conv", y, (x,), (w,), fn,
-                    window_strides=kw["strides"], padding=padding,
-                    rhs_dilation=kw["rate"], data_format=data_format,
-                    approx=approx)
-
-
-def _depthwise_kwargs(fn, strides, padding, rate, data_format) -> dict:
-  """The checked depthwise arguments, as the shape checks take them."""
-  _check_data_format(data_format, fn)
-  return dict(strides=_strides_2d(strides, "strides", fn), padding=padding,
-              rate=None if rate is None else _strides_2d(rate, "rate", fn),
-              data_format=data_format)
-
-
-def register_separable_conv2d(y, x, depthwise_w, pointwise_w, depthwise_y,
-                              b=None, *, strides, padding, rate=None,
-                              data_format: str = "NHWC",
-                              approx: Optional[str] = None):
-  """Tags a separable conv: a depthwise conv, then a 1x1 pointwise conv.
-
-  One tag covers both parts. The pointwise part is a 1x1 convolution on
-  ``depthwise_y`` (``approx``: ``kron`` or ``diagonal``); the depthwise part
-  gets the ``diagonal`` block of ``register_depthwise_conv2d``, its output
-  gradient recovered as :math:`g_{dw} = g_y W_{pw}^T` (the 1x1 conv's
-  transpose), so ``depthwise_y`` needs no tag of its own.
-
-  Args:
-    y: the output of the pointwise convolution (plus bias). Returned
-      unchanged.
-    x: the input of the depthwise convolution, ``[B, H, W, C]`` (``NHWC``)
-      or ``[B, C, H, W]``.
-    depthwise_w: the depthwise kernel ``[h, w, C, M]``.
-    pointwise_w: the pointwise kernel ``[1, 1, C*M, c_out]``.
-    depthwise_y: the depthwise convolution's output (the pointwise input).
-    b: optional bias ``[c_out]``.
-    strides: an int, 2 spatial values, or TF's ``[1, sh, sw, 1]``.
-    padding: ``"SAME"``, ``"VALID"`` or explicit pairs.
-    rate: the depthwise kernel's dilation; None for 1.
-    data_format: ``"NHWC"`` (default) or ``"NCHW"``.
-    approx: the pointwise part's block, ``kron`` (default) or ``diagonal``.
-
-  Returns:
-    ``y``, unchanged in value and gradient.
-
-  Raises:
-    ValueError: for a ``data_format`` other than ``NHWC``/``NCHW``, or
-      ``strides``/``rate`` of the wrong length.
-
-  Example:
-    >>> y = kl.register_separable_conv2d(y, x, dw, pw, dy, b, strides=1,
-    ...                                  padding="SAME")
-  """
-  fn = "register_separable_conv2d"
-  kw = _depthwise_kwargs(fn, strides, padding, rate, data_format)
-  tag_checks.check_separable_shapes(y, x, depthwise_w, pointwise_w,
-                                    depthwise_y, b, **kw)
-  params = (depthwise_w, pointwise_w) + (() if b is None else (b,))
-  return _layer_tag(
-      "separable_conv", y, (x, depthwise_y), params, fn,
-      window_strides=kw["strides"], padding=padding, rhs_dilation=kw["rate"],
-      data_format=data_format, approx=approx)
-
-
 def register_embedding(y, ids, table, *, approx: Optional[str] = None):
   """Tags an embedding lookup ``y = table[ids]``.
 
@@ -446,8 +302,8 @@ def register_embedding(y, ids, table, *, approx: Optional[str] = None):
     >>> y = kl.register_embedding(table[ids], ids, table)
   """
   tag_checks.check_embedding(y, ids, table)
-  return _layer_tag("embedding", y, (ids,), (table,), "register_embedding",
-                    approx=approx)
+  return layer_tag("embedding", y, (ids,), (table,), "register_embedding",
+                   approx=approx)
 
 
 def register_scale_and_shift(y, x, scale, shift=None, *,
@@ -474,8 +330,8 @@ def register_scale_and_shift(y, x, scale, shift=None, *,
   """
   params = (scale,) if shift is None else (scale, shift)
   tag_checks.check_scale_and_shift(y, x, scale, shift)
-  return _layer_tag("scale_and_shift", y, (x,), params,
-                    "register_scale_and_shift", approx=approx)
+  return layer_tag("scale_and_shift", y, (x,), params,
+                   "register_scale_and_shift", approx=approx)
 
 
 def register_generic(params, *, approx: Optional[str] = None):
@@ -508,242 +364,32 @@ def register_generic(params, *, approx: Optional[str] = None):
         f"register_generic: params={params!r} holds no arrays; pass the "
         "parameter array (or a pytree of them), e.g. "
         "register_generic(params['w']).")
-  out = _layer_tag("generic", leaves[0], (), tuple(leaves),
-                   "register_generic", approx=approx)
+  out = layer_tag("generic", leaves[0], (), tuple(leaves),
+                  "register_generic", approx=approx)
   return jax.tree.unflatten(treedef, [out, *leaves[1:]])
 
 
-# --------------------------------------------------------------------------
-# Loss registration functions.
-# --------------------------------------------------------------------------
+# The TensorFlow-named convolution tags and the loss tags live in their own
+# modules, which import this one: re-exported here, looked up on first use.
+_REEXPORTS = {
+    **dict.fromkeys(
+        ("register_conv2d", "register_depthwise_conv2d",
+         "register_separable_conv2d"),
+        "kfac_jax_lite.conv2d_tags"),
+    **dict.fromkeys(
+        ("register_categorical_predictive_distribution",
+         "register_softmax_cross_entropy_loss",
+         "register_normal_predictive_distribution",
+         "register_squared_error_loss",
+         "register_multi_bernoulli_predictive_distribution",
+         "register_sigmoid_cross_entropy_loss", "register_loss_function"),
+        "kfac_jax_lite.loss_tags"),
+}
 
 
-def _check_mask(z, mask, fn):
-  _check_array("mask", mask, fn)
-  lead = z.shape[:-1] if z.ndim >= 2 else z.shape
-  try:
-    ok = np.broadcast_shapes(tuple(mask.shape), tuple(lead)) == tuple(lead)
-  except ValueError:
-    ok = False
-  if not ok:
-    raise ValueError(
-        f"{fn}: mask has shape {tuple(mask.shape)}, which does not "
-        f"broadcast to the leading shape {tuple(lead)} of z "
-        f"{tuple(z.shape)} (every axis but the last). Give one entry per "
-        "position, e.g. a [B, T] mask for [B, T, V] logits.")
-
-
-def _loss_tag(kind, z, targets, fn, mask=None, **meta):
-  _check_array("logits/mean", z, fn)
-  if kind == "categorical" and z.ndim < 2:
-    raise ValueError(
-        f"{fn}: logits have shape {tuple(z.shape)}; they need a leading "
-        "(batch) axis and the class axis last, [..., V].")
-  operands = (z,) if targets is None else (z, targets)
-  if targets is not None:
-    _check_array("targets", targets, fn)
-    tag_checks.check_loss_targets(fn, kind, z, targets)
-  if mask is not None:
-    _check_mask(z, mask, fn)
-    operands += (mask,)
-  for k in ("weight", "var"):
-    if k in meta:
-      v = meta[k]
-      if isinstance(v, jax.core.Tracer) or not isinstance(
-          v, (int, float)) or isinstance(v, bool):
-        raise TypeError(
-            f"{fn}: {k}={v!r} must be a Python float (a static value).")
-      if v <= 0:
-        raise ValueError(f"{fn}: {k}={v!r} must be positive.")
-      meta[k] = float(v)
-  if mask is not None:
-    meta["has_mask"] = True
-  return loss_tag_p.bind(*operands, kind=kind, meta=_static_meta(
-      has_targets=targets is not None, **meta))
-
-
-def register_categorical_predictive_distribution(logits, targets=None, *,
-                                                 weight: float = 1.0,
-                                                 mask=None):
-  """Registers a categorical distribution over the last axis of ``logits``.
-
-  The registered loss is the mean over every leading position of
-  ``logits: [..., V]`` (the batch, and for sequences the time axis too),
-  ``optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  .mean()``: ``[B, T, V]`` and its flattening ``[B·T, V]`` give the same
-  curvature. A flattened tag keeps each example's positions together (row
-  ``b·T + t``, as ``reshape(-1, V)`` does). One position's Fisher is
-  :math:`F_R = \\mathrm{diag}(p) - p p^T`, :math:`p = \\mathrm{softmax}(z)`.
-
-  Args:
-    logits: ``[..., V]``, at least 2-D.
-    targets: integer class ids of the leading shape (for ``empirical``).
-    weight: multiplies this loss's contribution (``weight · mean``).
-    mask: optional, broadcastable to the leading shape (0 drops a
-      position): the mean is over the kept positions, ``Σ_n m_n nll_n /
-      Σ_n m_n``, counted in this batch (per device under data
-      parallelism).
-
-  Returns:
-    ``logits``, unchanged.
-
-  Raises:
-    ValueError: for a mask that does not broadcast to the leading shape,
-      a non-positive ``weight`` or ``var``, or (categorical) 1-D logits.
-    TypeError: if ``weight`` or ``var`` is not a Python float.
-
-  Example:
-    >>> logits = kl.register_categorical_predictive_distribution(
-    ...     logits, labels)             # logits [B, V] or [B, T, V]
-  """
-  return _loss_tag("categorical", logits, targets,
-                   "register_categorical_predictive_distribution",
-                   mask=mask, weight=weight)
-
-
-register_softmax_cross_entropy_loss = (
-    register_categorical_predictive_distribution)
-
-
-def register_normal_predictive_distribution(mean, targets=None, *,
-                                            var: float = 0.5,
-                                            weight: float = 1.0,
-                                            mask=None):
-  """Registers a Normal with fixed scalar variance ``var`` around ``mean``.
-
-  ``mean: [..., d]``: the last axis is one position's ``d`` coordinates,
-  every other axis indexes positions (a 1-D ``mean`` is ``N`` positions of
-  one coordinate). The registered loss is the mean over the positions of
-  the per-position NLL; with ``var=0.5`` (up to a constant)
-  ``jnp.sum((mean - targets) ** 2, axis=-1).mean()``. ``[B, T, d]`` and
-  ``[B·T, d]`` give the same curvature. :math:`F_R = I / \\mathrm{var}`.
-
-  Args:
-    mean: ``[..., d]`` (or ``[N]``).
-    targets: values of ``mean``'s shape (for ``empirical``).
-    var: the fixed variance (a Python float).
-    weight: multiplies this loss's contribution (``weight · mean``).
-    mask: optional, broadcastable to the leading shape ``mean.shape[:-1]``
-      (0 drops a position): the mean over the kept positions of this
-      batch, as for the categorical tag.
-
-  Returns:
-    ``mean``, unchanged.
-
-  Raises:
-    ValueError: for a mask that does not broadcast to the leading shape,
-      a non-positive ``weight`` or ``var``, or (categorical) 1-D logits.
-    TypeError: if ``weight`` or ``var`` is not a Python float.
-
-  Example:
-    >>> y_hat = kl.register_normal_predictive_distribution(y_hat, y)
-    >>> loss = jnp.sum((y_hat - y) ** 2, axis=-1).mean()
-  """
-  return _loss_tag("normal", mean, targets,
-                   "register_normal_predictive_distribution",
-                   mask=mask, var=var, weight=weight)
-
-
-register_squared_error_loss = register_normal_predictive_distribution
-
-
-def register_multi_bernoulli_predictive_distribution(logits, targets=None, *,
-                                                     weight: float = 1.0,
-                                                     mask=None):
-  """Registers independent Bernoullis with the given logits.
-
-  ``logits: [..., d]`` (or ``[N]``) as for the Normal tag: the registered
-  loss is ``optax.sigmoid_binary_cross_entropy(logits, targets).sum(-1)
-  .mean()``, the mean over the leading positions.
-  :math:`F_R = \\mathrm{diag}(p (1 - p))`, :math:`p = \\sigma(z)`.
-
-  Args:
-    logits: ``[..., d]`` (or ``[N]``).
-    targets: 0/1 values of ``logits``' shape (for ``empirical``).
-    weight: multiplies this loss's contribution (``weight · mean``).
-    mask: optional, broadcastable to the leading shape (0 drops a
-      position), as for the categorical tag.
-
-  Returns:
-    ``logits``, unchanged.
-
-  Raises:
-    ValueError: for a mask that does not broadcast to the leading shape,
-      a non-positive ``weight`` or ``var``, or (categorical) 1-D logits.
-    TypeError: if ``weight`` or ``var`` is not a Python float.
-
-  Example:
-    >>> logits = kl.register_multi_bernoulli_predictive_distribution(
-    ...     logits, pixels)
-  """
-  return _loss_tag("multi_bernoulli", logits, targets,
-                   "register_multi_bernoulli_predictive_distribution",
-                   mask=mask, weight=weight)
-
-
-register_sigmoid_cross_entropy_loss = (
-    register_multi_bernoulli_predictive_distribution)
-
-
-def register_loss_function(z, targets=None, *, loss_fn: Callable,
-                           weight: float = 1.0, mask=None,
-                           sampler: Optional[Callable] = None):
-  """Registers a loss given by a function of one position's outputs.
-
-  ``z: [..., E]``: every leading axis indexes positions (examples, time
-  steps), the last is one position's ``E`` outputs (a 1-D ``z`` is ``N``
-  positions of one output). The registered loss is the mean over the
-  positions, ``jnp.mean(vmap(loss_fn)(z_n, y_n))`` (over the kept
-  positions with a ``mask``), as for the other loss tags, and its
-  curvature the generalised Gauss-Newton matrix of that mean,
-
-  .. math:: G = \\frac{w}{N} \\sum_n m_n J_n^T H_n J_n,\\quad
-     H_n = \\nabla_z^2\\, \\mathrm{loss\\_fn}(z_n, y_n)
-
-  from autodiff Hessians (:mod:`kfac_jax_lite.custom_losses`): estimation
-  modes ``exact_GGN``, ``curvature_prop_GGN`` (an eigendecomposition of each
-  ``H_n``, for ``E`` up to ``custom_losses.MAX_FACTOR_SIZE``) and
-  ``empirical``; ``gradients`` needs ``sampler``; ``exact`` and
-  ``curvature_prop`` raise (a loss function has no Fisher of its own).
-
-  Args:
-    z: the model outputs the loss is a function of, ``[..., E]`` or ``[N]``.
-      Returned unchanged.
-    targets: optional, with z's leading shape first (``y_n = targets[n]``,
-      any trailing shape and dtype); without, ``loss_fn`` gets ``None``.
-    loss_fn: ``loss_fn(z_n, y_n) -> scalar`` for one position (``z_n`` of
-      shape ``[E]``, or ``()`` for a 1-D ``z``). A static value: a
-      module-level function or one closing over Python constants only
-      (it is called again outside this trace); convex in ``z_n`` for a
-      positive semi-definite ``H_n`` (a negative eigenvalue is clipped).
-    weight: multiplies this loss's contribution (``weight · mean``).
-    mask: optional, broadcastable to the leading shape (0 drops a
-      position), as for the categorical tag.
-    sampler: optional ``sampler(key, z_n) -> y_n`` drawing a target from
-      the model's predictive distribution (``key`` a raw ``uint32[2]``
-      jax.random key), for ``estimation_mode="gradients"`` and
-      :func:`~kfac_jax_lite.eval_losses_on_samples`.
-
-  Returns:
-    ``z``, unchanged.
-
-  Raises:
-    TypeError: if ``loss_fn``/``sampler`` is not a function or closes
-      over a traced array.
-    ValueError: if ``loss_fn`` of one position is not a scalar, or the
-      targets' leading shape is not z's.
-
-  Example:
-    >>> def poisson(z, y):  # z: [] log-rate of one position
-    ...   return jnp.exp(z) - y * z
-    >>> z = register_loss_function(model(params, x)[:, 0], counts,
-    ...                            loss_fn=poisson)
-    >>> loss = jnp.mean(jnp.exp(z) - counts * z)
-  """
-  fn = "register_loss_function"
-  _check_array("z", z, fn)
-  if targets is not None:
-    _check_array("targets", targets, fn)
-  tag_checks.check_loss_function(z, targets, loss_fn, sampler, fn)
-  return _loss_tag("custom", z, targets, fn, mask=mask, weight=weight,
-                   loss_fn=loss_fn, sampler=sampler)
+def __getattr__(name: str):
+  """The ``register_*`` functions of :mod:`kfac_jax_lite.conv2d_tags` and
+  :mod:`kfac_jax_lite.loss_tags`, re-exported from here."""
+  if name in _REEXPORTS:
+    return getattr(importlib.import_module(_REEXPORTS[name]), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -115,7 +115,8 @@ def _closure(start: str) -> set:
 
 @pytest.mark.parametrize("start", [
     "kfac_jax_lite.kinds", "kfac_jax_lite.layer", "kfac_jax_lite.collection",
-    "kfac_jax_lite.tags", "kfac_jax_lite.scanner.collect",
+    "kfac_jax_lite.tags", "kfac_jax_lite.loss_tags",
+    "kfac_jax_lite.conv2d_tags", "kfac_jax_lite.scanner.collect",
     "kfac_jax_lite.scanner.walk", "kfac_jax_lite.scanner.match",
     "kfac_jax_lite.scanner.interpret", "kfac_jax_lite.scanner.facts"])
 def test_registry_collection_and_scanner_import_no_block_module(start):
