@@ -541,7 +541,10 @@ def _cell(text: str) -> str:
   text = " ".join(str(text).split())
   if len(text) > MAX_MESSAGE:
     text = text[:MAX_MESSAGE].rstrip() + " …"
-  return text.replace("|", "\\|")
+  # Escaped so Markdown reads no link (`['w']` after `[...]`) in a message.
+  for c in "|[]":
+    text = text.replace(c, "\\" + c)
+  return text
 
 
 def table_row(case: Case, message: str) -> str:
