@@ -191,7 +191,9 @@ class FisherEstimator:
   def _stacked(self, x, name="state") -> list:
     """The per-group entries of a state or statistics, checked against
     this estimator's groups."""
-    if tuple(getattr(x, "stacked", None) or ()) != self._names:
+    # Sets: jax flattens a dict in sorted key order, so a state that went
+    # through jit comes back with its groups sorted by name.
+    if set(getattr(x, "stacked", None) or ()) != set(self._names):
       got = (list(x.stacked) if isinstance(getattr(x, "stacked", None), dict)
              else type(x).__name__)
       raise ValueError(
@@ -199,7 +201,7 @@ class FisherEstimator:
           f"the estimator's {list(self._names)}. Pass the {name} made by "
           "this estimator (init / compute_stats / value_grad_and_stats "
           "with estimator=...).")
-    return list(x.stacked.values())
+    return [x.stacked[n] for n in self._names]
 
   # ---- statistics --------------------------------------------------------
   def linearize(self, params, batch, with_jvp: bool = False) -> Linearized:
