@@ -162,8 +162,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     state, step = char_gpt.make_adamw_runner(s["loss_fn"], lr, s["params"])
     runs.append(char_gpt.Run(f"adamw{lr:g}", s["params"], state, step))
   state, step = char_gpt.make_kfac_runner(
-      s["loss_fn"], char_gpt.kfac_transform(s["collection"], gpt, gpt.seed),
-      gpt.kfac_stats_fraction, s["params"])
+      s["loss_fn"], *char_gpt.kfac_transform(s["collection"], gpt, gpt.seed),
+      s["params"])
   kfac = char_gpt.Run("kfac", s["params"], state, step)
   adams = list(runs)
   runs.append(kfac)

@@ -14,9 +14,9 @@ from kfac_jax_lite.estimator import EstimatorState
 from kfac_jax_lite.estimator import FisherEstimator
 from kfac_jax_lite.estimator import Stats
 from kfac_jax_lite.estimator import value_grad_and_stats
-from kfac_jax_lite.graft import GraftState
-from kfac_jax_lite.graft import graft
-from kfac_jax_lite.graft import kfac_adamw
+from kfac_jax_lite.grafting import GraftState
+from kfac_jax_lite.grafting import graft
+from kfac_jax_lite.grafting import kfac_adamw
 from kfac_jax_lite.losses import LossSpec
 from kfac_jax_lite.optimizer import KFACOptimizerState
 from kfac_jax_lite.optimizer import kfac_optimizer
