@@ -387,6 +387,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="update the curvature statistics every N steps")
   p.add_argument("--kfac-stats-fraction", type=float, default=0.125,
                  help="share of each batch's sequences the statistics use")
+  p.add_argument("--approx", action="append", default=[],
+                 metavar="KEY=APPROX", help="an approximation for a layer "
+                 "kind or parameter-path prefix, e.g. "
+                 "scale_and_shift=diagonal (repeatable)")
   p.add_argument("--eval-every", type=int, default=25)
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--sample-length", type=int, default=200)
@@ -397,6 +401,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                "eval_every", "eval_batches"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
+  if any("=" not in a for a in args.approx):
+    p.error(f"--approx takes KEY=APPROX; got {args.approx}")
+  args.approx = dict(a.split("=", 1) for a in args.approx)
   return args
 
 
@@ -410,7 +417,8 @@ def setup(args: argparse.Namespace):
   params = nnx.as_pure(nnx.state(new_model(), nnx.Param))
   batch_fn = lambda k: train_batch(train_ids, k, args.batch_size,  # noqa
                                    args.context, args.seed)
-  collection = kfac_jax_lite.scan(loss_fn, params, batch_fn(0))
+  collection = kfac_jax_lite.scan(loss_fn, params, batch_fn(0),
+                                  approximations=args.approx or None)
   eval_fn = make_eval_fn(loss_fn, valid_batches(
       valid_ids, args.eval_batches, args.batch_size, args.context))
   return dict(chars=chars, new_model=new_model, graphdef=graphdef,
