@@ -100,9 +100,10 @@ def race_until(runs, limits, targets, batch_fn, eval_fn, every) -> None:
   print()
 
 
-def first_call_split(step, args) -> tuple:
-  """``(trace, lower, compile, first run)`` seconds of a new jit of
-  ``step`` (no cache applies)."""
+def first_call_split(step, args, repeats: int = 5) -> tuple:
+  """``(trace, lower, compile, first run, median step)`` seconds of a new
+  jit of ``step`` (no cache applies); the median of ``repeats`` further
+  steps, each fed the previous step's params and state."""
   t0 = time.perf_counter()
   traced = jax.jit(step).trace(*args)
   t1 = time.perf_counter()
@@ -110,8 +111,14 @@ def first_call_split(step, args) -> tuple:
   t2 = time.perf_counter()
   compiled = lowered.compile()
   t3 = time.perf_counter()
-  jax.block_until_ready(compiled(*args))
-  return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3
+  out = jax.block_until_ready(compiled(*args))
+  t4 = time.perf_counter()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    out = jax.block_until_ready(compiled(*out[:2], *args[2:]))
+    times.append(time.perf_counter() - t)
+  return t1 - t0, t2 - t1, t3 - t2, t4 - t3, float(np.median(times))
 
 
 def profile(s: dict, gpt) -> None:
@@ -155,14 +162,23 @@ def profile(s: dict, gpt) -> None:
     u, tail_st = tail.update(u, st[1], params)
     return optax.apply_updates(params, u), (rms_st, tail_st)
 
+  optimizer = kfac_jax_lite.kfac_optimizer(s["collection"])
+
+  def optimizer_step(p, st, b):
+    loss, g = jax.value_and_grad(loss_fn)(p, b)
+    u, st = optimizer.update(g, st, p, batch=b)
+    return optax.apply_updates(p, u), st, loss
+
   print(f"{'first call (s)':24} {'trace':>6} {'lower':>6} {'compile':>8} "
-        f"{'run':>6} {'total':>6}")
+        f"{'run':>6} {'total':>6} {'step ms':>8}")
   for name, fn, args in (
       ("AdamW step", adamw_step, (params, adamw.init(params), batch)),
-      ("K-FAC step", kfac_step, (params, kfac_tx.init(params), batch))):
+      ("K-FAC step", kfac_step, (params, kfac_tx.init(params), batch)),
+      ("kfac_optimizer step", optimizer_step,
+       (params, optimizer.init(params), batch))):
     t = first_call_split(fn, args)
     print(f"{name:24} {t[0]:6.2f} {t[1]:6.2f} {t[2]:8.2f} {t[3]:6.2f} "
-          f"{sum(t):6.2f}", flush=True)
+          f"{sum(t[:4]):6.2f} {1e3 * t[4]:8.1f}", flush=True)
   parts = [
       ("loss and gradient", jax.value_and_grad(loss_fn), (params, batch)),
       (f"statistics, first {rows} sequences", est.compute_stats,
