@@ -17,6 +17,9 @@ seconds are summed by part:
   Adam's moments, or grafting, momentum, decay; ``apply_updates``);
 * ``unmapped``: kernels XLA added (copies, broadcasts) with no scope.
 
+It also counts the fusions XLA:CPU did not compile because an identical
+kernel was already compiled ("Reusing kernel" in its log).
+
 The kernel seconds are summed over XLA's code-generation threads, so they
 exceed the wall-clock ``compile`` (also printed). The log lines are
 XLA:CPU internals, not a public contract: a later XLA may print them
@@ -122,6 +125,7 @@ def measure(which: str, argv) -> tuple:
     entry = parts[part_of(names.get(kernel))]
     entry[0] += seconds
     entry[1] += 1
+  parts["reused kernels"] = [0.0, log.count("Reusing kernel")]
   return wall, parts
 
 
@@ -133,8 +137,10 @@ def main(argv) -> dict:
     print(f"{p:16} " + " ".join(
         f"{r[1][p][0]:9.2f} {r[1][p][1]:7d}" for r in results.values()))
   print(f"{'sum of kernels':16} " + " ".join(
-      f"{sum(v[0] for v in r[1].values()):9.2f} "
-      f"{sum(v[1] for v in r[1].values()):7d}" for r in results.values()))
+      f"{sum(r[1][p][0] for p in PARTS):9.2f} "
+      f"{sum(r[1][p][1] for p in PARTS):7d}" for r in results.values()))
+  print(f"{'reused kernels':16} " + " ".join(
+      f"{'':9} {r[1]['reused kernels'][1]:7d}" for r in results.values()))
   print(f"{'compile (wall)':16} " + " ".join(
       f"{r[0]:9.2f} {'':7}" for r in results.values()))
   return results
