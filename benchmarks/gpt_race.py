@@ -2,10 +2,10 @@
 
 AdamW (``weight_decay=0.01``, constant rate) runs at each of ``--adam-lrs``
 for ``--long`` steps; the best rate after ``--short`` steps and the best
-after ``--long`` steps set two targets: their validation losses. K-FAC, at
-the example's settings (the recipe of ``docs/transformers.md``; every
-``char_gpt.py`` flag is accepted), runs until it has reached both targets or
-used ``--kfac-max-steps``. Everything runs in one process on the same
+after ``--long`` steps set two targets: their validation losses. K-FAC
+(:func:`kfac_jax_lite.kfac_adamw` at the example's settings, its defaults;
+every ``char_gpt.py`` flag is accepted) runs until it has reached both
+targets or used ``--kfac-max-steps``. Everything runs in one process on the same
 batches, the runs alternating in chunks of ``--eval-every`` steps so that
 load from other processes hits all of them. Seconds are training seconds
 from each optimizer's first call (trace and compile included), evaluation
@@ -23,7 +23,7 @@ Run::
 
   python benchmarks/gpt_race.py                 # ~30-40 min on 2 CPUs
   python benchmarks/gpt_race.py --long 600 --adam-lrs 3e-3
-  python benchmarks/gpt_race.py --profile       # flops and time per part
+  python benchmarks/gpt_race.py --profile       # first call split; parts
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import math  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -99,40 +100,100 @@ def race_until(runs, limits, targets, batch_fn, eval_fn, every) -> None:
   print()
 
 
+def first_call_split(step, args, repeats: int = 5) -> tuple:
+  """``(trace, lower, compile, first run, median step)`` seconds of a new
+  jit of ``step`` (no cache applies); the median of ``repeats`` further
+  steps, each fed the previous step's params and state."""
+  t0 = time.perf_counter()
+  traced = jax.jit(step).trace(*args)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  compiled = lowered.compile()
+  t3 = time.perf_counter()
+  out = jax.block_until_ready(compiled(*args))
+  t4 = time.perf_counter()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    out = jax.block_until_ready(compiled(*out[:2], *args[2:]))
+    times.append(time.perf_counter() - t)
+  return t1 - t0, t2 - t1, t3 - t2, t4 - t3, float(np.median(times))
+
+
 def profile(s: dict, gpt) -> None:
-  """XLA's flop estimate, compile seconds and median of 5 runs of each part
-  of K-FAC's step, each jitted alone (LAPACK calls are not counted)."""
+  """The first call of AdamW's and K-FAC's whole step split into trace,
+  lower, compile and first run; then XLA's flop estimate, compile seconds
+  and median of 5 runs of each part of K-FAC's step, each jitted alone
+  (LAPACK calls are not counted in the flops)."""
   params, loss_fn = s["params"], s["loss_fn"]
   batch = s["batch_fn"](0)
   rows = max(1, math.ceil(gpt.kfac_stats_fraction * gpt.batch_size))
   head = jax.tree.map(lambda x: x[:rows], batch)
   key = jax.random.PRNGKey(0)
-  est = kfac_jax_lite.FisherEstimator(s["collection"],
-                                      damping=gpt.kfac_damping)
-  state = jax.jit(lambda st: est.update_curvature(
-      st, params, head, key))(est.init(params))
-  state = jax.jit(est.update_cache)(state)
+  est = kfac_jax_lite.FisherEstimator(s["collection"], damping=0.0)
+  stats = jax.jit(est.compute_stats)(params, head, key)
+  state = jax.jit(lambda st: est.update_curvature(st, stats=stats))(
+      est.init(params))
+  damping = gpt.kfac_damping
+  state = jax.jit(lambda st: est.update_cache(st, damping))(state)
   grads = jax.grad(loss_fn)(params, batch)
   adamw = optax.adamw(gpt.adam_lr, weight_decay=0.01)
+  kfac_tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
+  rms = optax.scale_by_rms(0.999, eps_in_sqrt=False, bias_correction=True)
+  tail = optax.chain(optax.ema(gpt.kfac_momentum), optax.add_decayed_weights(
+      gpt.kfac_weight_decay), optax.scale_by_learning_rate(gpt.kfac_lr))
 
   def adamw_step(p, st, b):
     loss, g = jax.value_and_grad(loss_fn)(p, b)
     u, st = adamw.update(g, st, p)
     return optax.apply_updates(p, u), st, loss
 
-  parts = [
+  def kfac_step(p, st, b):
+    loss, g = jax.value_and_grad(loss_fn)(p, b)
+    cut = b if fraction >= 1 else jax.tree.map(lambda x: x[:rows], b)
+    u, st = kfac_tx.update(g, st, p, batch=cut)
+    return optax.apply_updates(p, u), st, loss
+
+  def graft_tail(d, g, st):  # kfac_adamw after the K-FAC direction.
+    m, rms_st = rms.update(g, st[0], None)
+    u = jax.tree.map(lambda di, mi: di * (jnp.linalg.norm(mi) /
+                                          jnp.linalg.norm(di)), d, m)
+    u, tail_st = tail.update(u, st[1], params)
+    return optax.apply_updates(params, u), (rms_st, tail_st)
+
+  optimizer = kfac_jax_lite.kfac_optimizer(s["collection"])
+
+  def optimizer_step(p, st, b):
+    loss, g = jax.value_and_grad(loss_fn)(p, b)
+    u, st = optimizer.update(g, st, p, batch=b)
+    return optax.apply_updates(p, u), st, loss
+
+  print(f"{'first call (s)':24} {'trace':>6} {'lower':>6} {'compile':>8} "
+        f"{'run':>6} {'total':>6} {'step ms':>8}")
+  for name, fn, args in (
       ("AdamW step", adamw_step, (params, adamw.init(params), batch)),
+      ("K-FAC step", kfac_step, (params, kfac_tx.init(params), batch)),
+      ("kfac_optimizer step", optimizer_step,
+       (params, optimizer.init(params), batch))):
+    t = first_call_split(fn, args)
+    print(f"{name:24} {t[0]:6.2f} {t[1]:6.2f} {t[2]:8.2f} {t[3]:6.2f} "
+          f"{sum(t[:4]):6.2f} {1e3 * t[4]:8.1f}", flush=True)
+  parts = [
       ("loss and gradient", jax.value_and_grad(loss_fn), (params, batch)),
       (f"statistics, first {rows} sequences", est.compute_stats,
        (params, head, key)),
       (f"statistics, all {gpt.batch_size} sequences", est.compute_stats,
        (params, batch, key)),
-      ("EMA of the factors", lambda st, b: est.update_curvature(
-          st, params, b, key), (state, head)),
+      ("EMA of the factors", lambda st, x: est.update_curvature(
+          st, stats=x), (state, stats)),
       ("preconditioning", est.multiply_inverse, (state, grads)),
-      ("refresh (update_cache)", est.update_cache, (state,)),
+      ("refresh (update_cache)", lambda st: est.update_cache(st, damping),
+       (state,)),
+      ("graft, momentum, decay", graft_tail,
+       (grads, grads, (rms.init(params), tail.init(params)))),
   ]
-  print(f"{'part':36} {'GFLOP':>8} {'compile':>8} {'ms':>8}")
+  print(f"\n{'part':36} {'GFLOP':>8} {'compile':>8} {'ms':>8}")
   for name, fn, args in parts:
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
@@ -162,8 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     state, step = char_gpt.make_adamw_runner(s["loss_fn"], lr, s["params"])
     runs.append(char_gpt.Run(f"adamw{lr:g}", s["params"], state, step))
   state, step = char_gpt.make_kfac_runner(
-      s["loss_fn"], char_gpt.kfac_transform(s["collection"], gpt, gpt.seed),
-      gpt.kfac_stats_fraction, s["params"])
+      s["loss_fn"], *char_gpt.kfac_transform(s["collection"], gpt, gpt.seed),
+      s["params"])
   kfac = char_gpt.Run("kfac", s["params"], state, step)
   adams = list(runs)
   runs.append(kfac)

@@ -24,13 +24,14 @@ count training steps only (evaluation excluded), first call included.
 Optimizers (the recipe and its measurements: ``docs/transformers.md``):
 
 * AdamW: ``optax.adamw(--adam-lr, weight_decay=0.01)``, constant rate.
-* K-FAC (default): the direction ``F̂⁻¹g`` of
-  :func:`kfac_jax_lite.scale_by_kfac`, rescaled per parameter tensor to the
-  norm of RMSProp's step (:func:`graft_to_rms`), then AdamW's momentum,
-  decoupled weight decay and learning rate: AdamW with K-FAC's directions.
-  The curvature statistics come from the first ``--kfac-stats-fraction``
-  of each batch's sequences. ``--no-graft`` runs :func:`kfac_jax_lite.kfac`
-  instead (heavy-ball momentum, KL clipping, optional warm-up).
+* K-FAC (default): :func:`kfac_jax_lite.kfac_adamw`, the direction
+  ``F̂⁻¹g`` of :func:`kfac_jax_lite.scale_by_kfac` rescaled per parameter
+  tensor to the norm of RMSProp's step (:func:`kfac_jax_lite.graft`), then
+  AdamW's momentum, decoupled weight decay and learning rate: AdamW with
+  K-FAC's directions, at its defaults. The curvature statistics come from
+  the first ``--kfac-stats-fraction`` of each batch's sequences.
+  ``--no-graft`` runs :func:`kfac_jax_lite.kfac` instead (heavy-ball
+  momentum, KL clipping, optional warm-up).
 
 At the end it prints the validation loss of both at equal steps and at equal
 seconds, writes a PNG of both curves against steps and seconds, and prints a
@@ -168,48 +169,15 @@ def make_loss_fn(graphdef) -> Callable:
 # ---------------------------------------------------------- optimizers ----
 
 
-def graft_to_rms(direction: optax.GradientTransformationExtraArgs, *,
-                 decay: float = 0.999, eps: float = 1e-8
-                 ) -> optax.GradientTransformationExtraArgs:
-  """Per-tensor step-size grafting: ``direction``'s shape, RMSProp's norm.
+def kfac_transform(collection, args: argparse.Namespace, seed: int = 0):
+  """``(tx, fraction)``: the K-FAC optimizer of ``args`` (descent updates;
+  takes ``batch=``) and the share of each batch the runner must pass as
+  ``batch=`` (1: the optimizer cuts it itself).
 
-  .. math::
-    u_i = d_i\\,\\frac{\\lVert r_i\\rVert}{\\lVert d_i\\rVert},\\qquad
-    r = g / (\\sqrt{\\hat v} + \\epsilon)
-
-  for each parameter tensor ``i``, with ``d`` the output of ``direction``
-  (here the K-FAC direction ``F̂⁻¹g``) and ``v̂`` Adam's bias-corrected
-  second moment. Followed by momentum, decoupled weight decay and a
-  learning rate it is AdamW with K-FAC's directions, so AdamW's learning
-  rate carries over (Agarwal et al. 2020, "Disentangling adaptive gradient
-  methods from learning rates"; the grafting of Shampoo, Anil et al. 2020).
-  """
-  rms = optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False,
-                           bias_correction=True)
-
-  def init_fn(params):
-    return direction.init(params), rms.init(params)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    d, d_state = direction.update(updates, state[0], params, **extra_args)
-    r, r_state = rms.update(updates, state[1], params)
-
-    def graft(di, ri):
-      nd, nr = jnp.linalg.norm(di), jnp.linalg.norm(ri)
-      return jnp.where(nd > 0, di * (nr / jnp.where(nd > 0, nd, 1.0)), ri)
-    return jax.tree.map(graft, d, r), (d_state, r_state)
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def kfac_transform(collection, args: argparse.Namespace, seed: int = 0
-                   ) -> optax.GradientTransformationExtraArgs:
-  """The K-FAC optimizer of ``args`` (descent updates; takes ``batch=``).
-
-  Default (grafted): ``F̂⁻¹g`` (:func:`kfac_jax_lite.scale_by_kfac`)
-  grafted per tensor onto RMSProp's norm, Adam's momentum (a debiased
-  EMA), decoupled weight decay, learning rate. ``--no-graft``:
-  :func:`kfac_jax_lite.kfac` (heavy-ball momentum on the natural
-  gradient, KL clipping) with a linear learning-rate warm-up.
+  Default: :func:`kfac_jax_lite.kfac_adamw`, AdamW whose per-tensor
+  directions are K-FAC's (``F̂⁻¹g`` grafted onto RMSProp's norm).
+  ``--no-graft``: :func:`kfac_jax_lite.kfac` (heavy-ball momentum on the
+  natural gradient, KL clipping).
   """
   warmup = max(args.kfac_warmup, 0)
   lr = (optax.linear_schedule(args.kfac_lr / max(warmup, 1), args.kfac_lr,
@@ -217,33 +185,30 @@ def kfac_transform(collection, args: argparse.Namespace, seed: int = 0
   curvature = dict(damping=args.kfac_damping,
                    inverse_update_period=args.kfac_inverse_period,
                    cov_update_period=args.kfac_cov_period, seed=seed)
-  if not args.graft:
-    return kfac_jax_lite.kfac(
-        lr, collection, momentum=args.kfac_momentum,
+  if args.graft:
+    return kfac_jax_lite.kfac_adamw(
+        lr, collection, b1=args.kfac_momentum,
         weight_decay=args.kfac_weight_decay,
-        norm_constraint=args.kfac_norm_constraint or None, **curvature)
-  plain = optax.with_extra_args_support
-  return optax.chain(
-      graft_to_rms(kfac_jax_lite.scale_by_kfac(collection, **curvature)),
-      plain(optax.ema(args.kfac_momentum, debias=True)),
-      plain(optax.add_decayed_weights(args.kfac_weight_decay)),
-      plain(optax.scale_by_learning_rate(lr)))
+        stats_fraction=args.kfac_stats_fraction, **curvature), 1.0
+  return kfac_jax_lite.kfac(
+      lr, collection, momentum=args.kfac_momentum,
+      weight_decay=args.kfac_weight_decay,
+      norm_constraint=args.kfac_norm_constraint or None,
+      **curvature), args.kfac_stats_fraction
 
 
 def make_kfac_runner(loss_fn: Callable, tx, fraction: float, params):
   """``(state, step)`` with ``step(params, state, batch, count)``, jitted.
 
-  The gradient is that of the whole batch; the curvature statistics come
-  from the first ``⌈f·B⌉`` sequences only, passed as ``batch=`` so that
-  K-FAC runs their (small) forward and backward pass only on the steps
-  that update the statistics (``cov_update_period``).
+  The gradient is that of the whole batch; the first ``⌈f·B⌉`` sequences
+  are passed as ``batch=``, from which K-FAC runs its statistics pass.
   """
 
   @jax.jit
   def step(params, state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     rows = max(1, math.ceil(fraction * batch["x"].shape[0]))
-    head = jax.tree.map(lambda x: x[:rows], batch)
+    head = batch if fraction >= 1 else jax.tree.map(lambda x: x[:rows], batch)
     updates, state = tx.update(grads, state, params, batch=head)
     return optax.apply_updates(params, updates), state, loss
 
@@ -422,6 +387,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="update the curvature statistics every N steps")
   p.add_argument("--kfac-stats-fraction", type=float, default=0.125,
                  help="share of each batch's sequences the statistics use")
+  p.add_argument("--approx", action="append", default=[],
+                 metavar="KEY=APPROX", help="an approximation for a layer "
+                 "kind or parameter-path prefix, e.g. "
+                 "scale_and_shift=diagonal (repeatable)")
   p.add_argument("--eval-every", type=int, default=25)
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--sample-length", type=int, default=200)
@@ -432,6 +401,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                "eval_every", "eval_batches"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
+  if any("=" not in a for a in args.approx):
+    p.error(f"--approx takes KEY=APPROX; got {args.approx}")
+  args.approx = dict(a.split("=", 1) for a in args.approx)
   return args
 
 
@@ -445,7 +417,8 @@ def setup(args: argparse.Namespace):
   params = nnx.as_pure(nnx.state(new_model(), nnx.Param))
   batch_fn = lambda k: train_batch(train_ids, k, args.batch_size,  # noqa
                                    args.context, args.seed)
-  collection = kfac_jax_lite.scan(loss_fn, params, batch_fn(0))
+  collection = kfac_jax_lite.scan(loss_fn, params, batch_fn(0),
+                                  approximations=args.approx or None)
   eval_fn = make_eval_fn(loss_fn, valid_batches(
       valid_ids, args.eval_batches, args.batch_size, args.context))
   return dict(chars=chars, new_model=new_model, graphdef=graphdef,
@@ -463,8 +436,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         f"{jax.devices()[0].platform}; {args.steps} steps of "
         f"{args.batch_size}x{args.context} characters\n", flush=True)
   kfac_state, kfac_step = make_kfac_runner(
-      s["loss_fn"], kfac_transform(s["collection"], args, args.seed),
-      args.kfac_stats_fraction, s["params"])
+      s["loss_fn"], *kfac_transform(s["collection"], args, args.seed),
+      s["params"])
   adam_state, adam_step = make_adamw_runner(s["loss_fn"], args.adam_lr,
                                             s["params"])
   runs = [Run("kfac", s["params"], kfac_state, kfac_step),

@@ -29,6 +29,9 @@ from kfac_jax_lite.loss_tags import register_normal_predictive_distribution
 from kfac_jax_lite.loss_tags import register_sigmoid_cross_entropy_loss
 from kfac_jax_lite.loss_tags import register_softmax_cross_entropy_loss
 from kfac_jax_lite.loss_tags import register_squared_error_loss
+from kfac_jax_lite.grafting import GraftState
+from kfac_jax_lite.grafting import graft
+from kfac_jax_lite.grafting import kfac_adamw
 from kfac_jax_lite.losses import LossSpec
 from kfac_jax_lite.one_pass import value_grad_and_stats
 from kfac_jax_lite.optimizer import KFACOptimizerState
@@ -51,6 +54,7 @@ __all__ = [
     "CurvatureState",
     "EstimatorState",
     "FisherEstimator",
+    "GraftState",
     "KFACOptimizerState",
     "Layer",
     "LayerCollection",
@@ -59,7 +63,9 @@ __all__ = [
     "Stats",
     "eval_losses",
     "eval_losses_on_samples",
+    "graft",
     "kfac",
+    "kfac_adamw",
     "kfac_optimizer",
     "link_parameters",
     "loss_value",

@@ -138,8 +138,12 @@ def put(stacked: list, parts, new) -> list:
 
 def entries(x, names: tuple, name: str) -> list:
   """The per-group entries of a state or statistics ``x`` (named ``name``
-  in the error), checked to have the groups ``names``."""
-  if tuple(getattr(x, "stacked", None) or ()) != names:
+  in the error), checked to have the groups ``names``, in their order.
+
+  The names are compared as sets: jax flattens a dict in sorted key order,
+  so a state that went through ``jit`` comes back with its groups sorted.
+  """
+  if set(getattr(x, "stacked", None) or ()) != set(names):
     got = (list(x.stacked) if isinstance(getattr(x, "stacked", None), dict)
            else type(x).__name__)
     raise ValueError(
@@ -147,7 +151,7 @@ def entries(x, names: tuple, name: str) -> list:
         f"the estimator's {list(names)}. Pass the {name} made by "
         "this estimator (init / compute_stats / value_grad_and_stats "
         "with estimator=...).")
-  return list(x.stacked.values())
+  return [x.stacked[n] for n in names]
 
 
 def check_state_shapes(state: EstimatorState, want: dict, groups,
