@@ -39,9 +39,19 @@ from kfac_jax_lite.transform import skip_nonfinite
 
 
 class GraftState(NamedTuple):
-  """State of :func:`graft`."""
-  direction: Any  # the direction transformation's state
-  magnitude: Any  # the magnitude transformation's state
+  """State of :func:`graft`.
+
+  Attributes:
+    direction: the direction transformation's state.
+    magnitude: the magnitude transformation's state.
+
+  Example:
+    >>> tx = kl.graft(kl.scale_by_kfac(collection), optax.scale_by_rms())
+    >>> state = tx.init(params)          # a GraftState
+    >>> state.direction                  # scale_by_kfac's state
+  """
+  direction: Any
+  magnitude: Any
 
 
 def _graft_leaf(d, m):
