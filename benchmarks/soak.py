@@ -72,6 +72,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import kfac_jax_lite as kl  # noqa: E402
+# benchmarks/ is this script's path: the tagged tanh MLP of the optimizer
+# benchmark.
+from optimizer_vs_adam import init_params, loss_fn  # noqa: E402
 
 DEFAULT_DATA = os.path.join(ROOT, "examples", "data", "mnist.npz")
 FAULTS = ("nan", "inf", "huge", "zeros")
@@ -82,26 +85,6 @@ NONFINITE = ("nan", "inf", "huge")
 # The model, the data and the faults: pure functions of the flags and the
 # step index, so every process builds the same batches.
 # ---------------------------------------------------------------------------
-
-
-def init_params(key, sizes):
-  params = {}
-  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-    key, k = jax.random.split(key)
-    params[f"layer{i}"] = {"w": jax.random.normal(k, (a, b)) / np.sqrt(a),
-                           "b": jnp.zeros((b,))}
-  return params
-
-
-def loss_fn(params, batch):
-  x, y = batch
-  n = len(params)
-  for i in range(n):
-    p = params[f"layer{i}"]
-    s = kl.register_dense(x @ p["w"] + p["b"], x, p["w"], p["b"])
-    x = jnp.tanh(s) if i < n - 1 else s
-  kl.register_categorical_predictive_distribution(x, y)
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x, y))
 
 
 def load_data(path):
