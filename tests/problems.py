@@ -17,11 +17,13 @@ Named problems:
   multi-use dense layer) and a dense readout.
 """
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import kfac_jax_lite as kl
@@ -106,3 +108,26 @@ def rnn_classifier(t=5, b=4, d=3, h=6, classes=2) -> Problem:
   """:func:`rnn_setup` and :func:`rnn_loss` as a :class:`Problem`."""
   params, batch = rnn_setup(t, b, d, h, classes)
   return Problem(params, [batch], rnn_loss)
+
+
+# A two-layer model ``[B, T, D] -> [B, T, E]`` whose time mean mixes the
+# positions: the sequence-loss tests' problem.
+SEQUENCE_SHAPE = (3, 4, 3, 5, 4)  # B, T, D, H, E
+
+
+@functools.partial(jax.jit, static_argnums=0)  # One compile, not one a draw.
+def sequence_params(seed=0):
+  """The parameters of :func:`sequence_model`, drawn from ``seed``."""
+  _, _, d, h, e = SEQUENCE_SHAPE
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  return {"l1": {"b": 0.1 * jax.random.normal(ks[0], (h,)),
+                 "w": jax.random.normal(ks[1], (d, h)) / np.sqrt(d)},
+          "l2": {"b": 0.1 * jax.random.normal(ks[2], (e,)),
+                 "w": jax.random.normal(ks[3], (h, e)) / np.sqrt(h)}}
+
+
+def sequence_model(params, x):
+  """``[B, T, D] -> [B, T, E]``; the time mean mixes the positions."""
+  h = jnp.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
+  h = h + jnp.mean(h, axis=1, keepdims=True)
+  return h @ params["l2"]["w"] + params["l2"]["b"]

@@ -14,10 +14,11 @@ import optax
 import pytest
 
 import kfac_jax_lite as kl
+from tests import problems
 from kfac_jax_lite import custom_losses
 from kfac_jax_lite import statistics
 
-B, T, D, H, E = 3, 4, 3, 5, 4
+B, T, D, H, E = problems.SEQUENCE_SHAPE
 LOSSES = ("poisson", "huber", "smoothed_ce")
 
 
@@ -45,19 +46,8 @@ def smoothed_ce(z, y):
 FNS = {"poisson": poisson, "huber": huber, "smoothed_ce": smoothed_ce}
 
 
-def _params(seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return {"l1": {"b": 0.1 * jax.random.normal(ks[0], (H,)),
-                 "w": jax.random.normal(ks[1], (D, H)) / np.sqrt(D)},
-          "l2": {"b": 0.1 * jax.random.normal(ks[2], (E,)),
-                 "w": jax.random.normal(ks[3], (H, E)) / np.sqrt(H)}}
-
-
-def _model(params, x):
-  """``[B, T, D] -> [B, T, E]``; the time mean mixes the positions."""
-  h = jnp.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
-  h = h + jnp.mean(h, axis=1, keepdims=True)
-  return h @ params["l2"]["w"] + params["l2"]["b"]
+_params = problems.sequence_params
+_model = problems.sequence_model
 
 
 def _batch(name, seed=1):

@@ -16,9 +16,10 @@ import optax
 import pytest
 
 import kfac_jax_lite as kl
+from tests import problems
 from kfac_jax_lite import statistics
 
-B, T, D, H, E = 3, 4, 3, 5, 4
+B, T, D, H, E = problems.SEQUENCE_SHAPE
 KINDS = ("categorical", "normal", "multi_bernoulli")
 
 
@@ -28,20 +29,8 @@ def _x64():
     yield
 
 
-@functools.partial(jax.jit, static_argnums=0)  # One compile, not one a draw.
-def _params(seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return {"l1": {"b": 0.1 * jax.random.normal(ks[0], (H,)),
-                 "w": jax.random.normal(ks[1], (D, H)) / np.sqrt(D)},
-          "l2": {"b": 0.1 * jax.random.normal(ks[2], (E,)),
-                 "w": jax.random.normal(ks[3], (H, E)) / np.sqrt(H)}}
-
-
-def _model(params, x):
-  """``[B, T, D] -> [B, T, E]``; the time mean mixes the positions."""
-  h = jnp.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
-  h = h + jnp.mean(h, axis=1, keepdims=True)
-  return h @ params["l2"]["w"] + params["l2"]["b"]
+_params = problems.sequence_params
+_model = problems.sequence_model
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
