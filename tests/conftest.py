@@ -3,12 +3,14 @@
 XLA_FLAGS must be set before jax initialises its backends, so this runs at
 conftest import time, before any test module imports jax.
 
-Most of the suite's time is XLA compiling small programs. XLA's CPU backend
-compiles about 2x faster with its older elemental emitters instead of the
-MLIR fusion emitters, and without LLVM's expensive passes. Both are XLA's
-own CPU code generators for the same programs, and every test passes with
-either. Set
-``KFAC_TEST_DEFAULT_XLA=1`` to test with XLA's default settings. The flags
+Most of the suite's time is XLA compiling small programs, whose kernels then
+run for microseconds. XLA's CPU backend compiles them about 2x faster with
+its older elemental emitters instead of the MLIR fusion emitters, and
+another third faster at LLVM optimisation level 0 (the kernels run slower,
+which the suite's small problems do not feel). These are XLA's own CPU code
+generators and optimisation levels for the same programs, and every test
+passes with XLA's defaults too: set ``KFAC_TEST_DEFAULT_XLA=1`` to test with
+them. The flags
 are checked in a subprocess first: a jaxlib that no longer knows one would
 abort on it, and then the suite runs with the defaults instead.
 """
@@ -22,7 +24,8 @@ import numpy as np
 import pytest
 
 FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false "
-                      "--xla_llvm_disable_expensive_passes=true")
+                      "--xla_llvm_disable_expensive_passes=true "
+                      "--xla_backend_optimization_level=0")
 
 
 def _flags_are_known(flags):
