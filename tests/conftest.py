@@ -10,7 +10,10 @@ another third faster at LLVM optimisation level 0 (the kernels run slower,
 which the suite's small problems do not feel). These are XLA's own CPU code
 generators and optimisation levels for the same programs, and every test
 passes with XLA's defaults too: set ``KFAC_TEST_DEFAULT_XLA=1`` to test with
-them. The flags
+them. A test marked ``xla_defaults`` asserts what holds under XLA's default
+compile only (two differently built programs giving bitwise the same
+result, or agreeing to a few float32 ulps): it runs in a subprocess with
+XLA's defaults. The flags
 are checked in a subprocess first: a jaxlib that no longer knows one would
 abort on it, and then the suite runs with the defaults instead.
 """
@@ -38,6 +41,11 @@ def _flags_are_known(flags):
     return False
 
 
+# XLA's defaults, for the ``xla_defaults`` subprocesses (xdist's workers
+# inherit the flags this file added in the controller).
+DEFAULT_XLA_FLAGS = " ".join(
+    f for f in os.environ.get("XLA_FLAGS", "").split()
+    if f not in FAST_COMPILE_FLAGS.split())
 os.environ.setdefault("XLA_FLAGS", "")
 if (not os.environ.get("KFAC_TEST_DEFAULT_XLA")
     and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
@@ -46,7 +54,28 @@ if (not os.environ.get("KFAC_TEST_DEFAULT_XLA")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
+FAST_COMPILE = FAST_COMPILE_FLAGS in os.environ["XLA_FLAGS"]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+  """Runs an ``xla_defaults`` test in a subprocess with XLA's default
+  compile settings when this process compiles with the fast ones."""
+  if (os.environ.get("KFAC_TEST_DEFAULT_XLA") or not FAST_COMPILE
+      or not pyfuncitem.get_closest_marker("xla_defaults")):
+    return None
+  env = dict(os.environ, KFAC_TEST_DEFAULT_XLA="1",
+             XLA_FLAGS=DEFAULT_XLA_FLAGS)
+  run = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "",
+       "-p", "no:cacheprovider", pyfuncitem.nodeid],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+      check=False)
+  if run.returncode != 0:
+    pytest.fail(f"{pyfuncitem.nodeid} under XLA's default compile:\n"
+                f"{run.stdout[-6000:]}\n{run.stderr[-2000:]}", pytrace=False)
+  return True
 
 
 @pytest.fixture(name="mnist", scope="session")

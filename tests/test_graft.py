@@ -97,6 +97,7 @@ def _run(loss_fn, tx, params, batches, head_rows=None):
 
 
 @pytest.mark.slow
+@pytest.mark.xla_defaults
 def test_kfac_adamw_is_the_hand_built_chain_bitwise():
   p = problems.mlp_classifier((6, 8, 3), 16, 4)
   collection = p.scan()

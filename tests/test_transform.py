@@ -269,6 +269,7 @@ def _steps(tx, params, batches, poison=()):
   return out
 
 
+@pytest.mark.xla_defaults
 def test_kfac_is_the_chain_it_is_built_from(problem):
   """``kfac`` = ``skip_nonfinite(chain(scale_by_kfac, add_decayed_weights,
   trace, scale_by_learning_rate))``: bitwise the same updates and states,
