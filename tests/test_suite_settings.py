@@ -13,4 +13,3 @@ def test_xla_defaults_tests_run_under_xlas_default_compile():
   for name in ("xla_cpu_use_fusion_emitters", "xla_llvm_disable_expensive",
                "xla_backend_optimization_level"):
     assert name not in flags, flags
-
