@@ -21,7 +21,7 @@ Printed: each run's validation curve summary, then
 
 Run::
 
-  python benchmarks/gpt_race.py                 # ~30-40 min on 2 CPUs
+  python benchmarks/gpt_race.py                 # ~25 min on 2 CPUs
   python benchmarks/gpt_race.py --long 600 --adam-lrs 3e-3
   python benchmarks/gpt_race.py --profile       # first call split; parts
 """
