@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -119,10 +118,8 @@ def first_examples_of(batch, fraction: float):
   if fraction >= 1.0 or not sized:
     return batch
   total = sized[0].shape[0]
-  rows = statistics.stats_rows(total, fraction)
-  return jax.tree.map(
-      lambda x: statistics.first_examples(x, 0, rows)
-      if getattr(x, "ndim", 0) and x.shape[0] == total else x, batch)
+  return statistics.batch_head(batch, total,
+                               statistics.stats_rows(total, fraction))
 
 
 def statistics_from_head(inner: optax.GradientTransformation,
@@ -137,16 +134,6 @@ def statistics_from_head(inner: optax.GradientTransformation,
     return inner.update(updates, state, params, batch=batch, **extra_args)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
-
-
-def _check_fraction(stats_fraction):
-  if isinstance(stats_fraction, bool) or not isinstance(
-      stats_fraction, (int, float)) or not 0.0 < stats_fraction <= 1.0 or (
-          math.isnan(stats_fraction)):
-    raise ValueError(
-        f"stats_fraction={stats_fraction!r} must be a number in (0, 1]: the "
-        "share of batch=...'s examples the curvature statistics use (1: "
-        "all).")
 
 
 def kfac_adamw(learning_rate: ScalarOrSchedule,
@@ -235,7 +222,7 @@ def kfac_adamw(learning_rate: ScalarOrSchedule,
   for name, value in (("b1", b1), ("b2", b2), ("eps", eps),
                       ("weight_decay", weight_decay)):
     check_nonnegative(name, value)
-  _check_fraction(stats_fraction)
+  statistics.check_fraction(stats_fraction)
   direction = scale_by_kfac(
       collection, damping=damping, cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,

@@ -277,8 +277,9 @@ class Pass:
   grad_norm: Any = 1     # √(B·N): param_grads_all's sum over S / it = mean
 
 
-def check_options(stats_fraction, stats_min_examples, num_samples):
-  """Raises ``ValueError`` for an invalid option of the statistics."""
+def check_fraction(stats_fraction):
+  """Raises ``ValueError`` unless ``stats_fraction`` is a number in
+  ``(0, 1]`` (NaN fails the comparison too)."""
   if isinstance(stats_fraction, bool) or not isinstance(
       stats_fraction, (int, float)) or not (
           0.0 < stats_fraction <= 1.0):
@@ -286,6 +287,11 @@ def check_options(stats_fraction, stats_min_examples, num_samples):
         f"stats_fraction={stats_fraction!r} must be a number in "
         "(0, 1]: the fraction of each batch whose examples enter the "
         "factors (1.0 uses every example).")
+
+
+def check_options(stats_fraction, stats_min_examples, num_samples):
+  """Raises ``ValueError`` for an invalid option of the statistics."""
+  check_fraction(stats_fraction)
   if isinstance(stats_min_examples, bool) or not isinstance(
       stats_min_examples, int) or stats_min_examples < 1:
     raise ValueError(
@@ -308,6 +314,14 @@ def first_examples(x, axis: int, rows: int):
   if x.shape[axis] == rows:
     return x
   return lax.slice_in_dim(x, 0, rows, axis=axis)
+
+
+def batch_head(batch, total: int, rows: int):
+  """The first ``rows`` examples of ``batch``: every leaf whose leading axis
+  has ``total`` entries is cut to its first ``rows``; the others stay."""
+  return jax.tree.map(
+      lambda x: first_examples(x, 0, rows)
+      if getattr(x, "ndim", 0) and x.shape[0] == total else x, batch)
 
 
 def _site_rows(lin: Linearized) -> dict:
@@ -464,9 +478,7 @@ def linearize_head(collection, params, batch, lin: Linearized,
   rows = stats_rows(total, fraction, min_examples)
   if rows == total:
     return lin
-  head = jax.tree.map(
-      lambda x: first_examples(x, 0, rows)
-      if getattr(x, "ndim", 0) and x.shape[0] == total else x, batch)
+  head = batch_head(batch, total, rows)
   want = tuple(p * rows // total for p in _positions(lin))
   try:
     out = Linearized(collection, params, head, head_only=True,
