@@ -36,11 +36,11 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "..", "examples"))
 
+import functools  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -141,40 +141,26 @@ def profile(s: dict, gpt) -> None:
   adamw = optax.adamw(gpt.adam_lr, weight_decay=0.01)
   kfac_tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
   rms = optax.scale_by_rms(0.999, eps_in_sqrt=False, bias_correction=True)
-  tail = optax.chain(optax.ema(gpt.kfac_momentum), optax.add_decayed_weights(
-      gpt.kfac_weight_decay), optax.scale_by_learning_rate(gpt.kfac_lr))
+  tail = optax.chain(optax.ema(gpt.kfac_momentum, debias=True),
+                     optax.add_decayed_weights(gpt.kfac_weight_decay),
+                     optax.scale_by_learning_rate(gpt.kfac_lr))
 
-  def adamw_step(p, st, b):
-    loss, g = jax.value_and_grad(loss_fn)(p, b)
-    u, st = adamw.update(g, st, p)
-    return optax.apply_updates(p, u), st, loss
-
-  def kfac_step(p, st, b):
-    loss, g = jax.value_and_grad(loss_fn)(p, b)
-    cut = b if fraction >= 1 else jax.tree.map(lambda x: x[:rows], b)
-    u, st = kfac_tx.update(g, st, p, batch=cut)
-    return optax.apply_updates(p, u), st, loss
-
-  def graft_tail(d, g, st):  # kfac_adamw after the K-FAC direction.
-    m, rms_st = rms.update(g, st[0], None)
-    u = jax.tree.map(lambda di, mi: di * (jnp.linalg.norm(mi) /
-                                          jnp.linalg.norm(di)), d, m)
+  def graft_tail(d, g, st):  # kfac_adamw after the K-FAC direction d.
+    grafted = kfac_jax_lite.graft(optax.stateless(lambda u, p: d), rms)
+    u, graft_st = grafted.update(g, st[0], params)
     u, tail_st = tail.update(u, st[1], params)
-    return optax.apply_updates(params, u), (rms_st, tail_st)
+    return optax.apply_updates(params, u), (graft_st, tail_st)
 
   optimizer = kfac_jax_lite.kfac_optimizer(s["collection"])
-
-  def optimizer_step(p, st, b):
-    loss, g = jax.value_and_grad(loss_fn)(p, b)
-    u, st = optimizer.update(g, st, p, batch=b)
-    return optax.apply_updates(p, u), st, loss
+  step = functools.partial(char_gpt.make_step, loss_fn)
 
   print(f"{'first call (s)':24} {'trace':>6} {'lower':>6} {'compile':>8} "
         f"{'run':>6} {'total':>6} {'step ms':>8}")
   for name, fn, args in (
-      ("AdamW step", adamw_step, (params, adamw.init(params), batch)),
-      ("K-FAC step", kfac_step, (params, kfac_tx.init(params), batch)),
-      ("kfac_optimizer step", optimizer_step,
+      ("AdamW step", step(adamw), (params, adamw.init(params), batch)),
+      ("K-FAC step", step(kfac_tx, fraction),
+       (params, kfac_tx.init(params), batch)),
+      ("kfac_optimizer step", step(optimizer, 1.0),
        (params, optimizer.init(params), batch))):
     t = first_call_split(fn, args)
     print(f"{name:24} {t[0]:6.2f} {t[1]:6.2f} {t[2]:8.2f} {t[3]:6.2f} "
@@ -191,7 +177,8 @@ def profile(s: dict, gpt) -> None:
       ("refresh (update_cache)", lambda st: est.update_cache(st, damping),
        (state,)),
       ("graft, momentum, decay", graft_tail,
-       (grads, grads, (rms.init(params), tail.init(params)))),
+       (grads, grads, (kfac_jax_lite.graft(optax.identity(), rms).init(
+           params), tail.init(params)))),
   ]
   print(f"\n{'part':36} {'GFLOP':>8} {'compile':>8} {'ms':>8}")
   for name, fn, args in parts:

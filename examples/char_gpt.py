@@ -199,41 +199,48 @@ def kfac_transform(collection, args: argparse.Namespace, seed: int = 0):
       **curvature), args.kfac_stats_fraction
 
 
-def make_kfac_runner(loss_fn: Callable, tx, fraction: float, params):
-  """``(state, step)`` with ``step(params, state, batch, count)``, jitted.
+def make_step(loss_fn: Callable, tx, fraction: Optional[float] = None
+              ) -> Callable:
+  """``step(params, state, batch) -> (params, state, loss)``, not jitted.
 
-  The gradient is that of the whole batch; the first ``⌈f·B⌉`` sequences
-  are passed as ``batch=``, from which K-FAC runs its statistics pass.
+  The gradient is that of the whole batch. With ``fraction`` the optimizer
+  also gets ``batch=``: the first ``⌈f·B⌉`` sequences, from which K-FAC
+  runs its statistics pass (the whole batch for ``f = 1``).
   """
 
-  @jax.jit
   def step(params, state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    rows = max(1, math.ceil(fraction * batch["x"].shape[0]))
-    head = batch if fraction >= 1 else jax.tree.map(lambda x: x[:rows], batch)
-    updates, state = tx.update(grads, state, params, batch=head)
+    extra = {}
+    if fraction is not None:
+      rows = max(1, math.ceil(fraction * batch["x"].shape[0]))
+      extra["batch"] = (batch if fraction >= 1 else
+                        jax.tree.map(lambda x: x[:rows], batch))
+    updates, state = tx.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state, loss
+
+  return step
+
+
+def _runner(step: Callable, tx, params):
+  """``(state, run)`` with ``run(params, state, batch, count)``, jitted."""
+  step = jax.jit(step)
 
   def run(params, state, batch, count):
     del count
     return step(params, state, batch)
   return tx.init(params), run
+
+
+def make_kfac_runner(loss_fn: Callable, tx, fraction: float, params):
+  """``(state, step)`` with ``step(params, state, batch, count)``, jitted:
+  :func:`make_step` with ``fraction``."""
+  return _runner(make_step(loss_fn, tx, fraction), tx, params)
 
 
 def make_adamw_runner(loss_fn: Callable, lr: float, params):
   """``(state, step)`` for ``optax.adamw(lr, weight_decay=0.01)``, jitted."""
   tx = optax.adamw(lr, weight_decay=0.01)
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  def run(params, state, batch, count):
-    del count
-    return step(params, state, batch)
-  return tx.init(params), run
+  return _runner(make_step(loss_fn, tx), tx, params)
 
 
 def make_eval_fn(loss_fn: Callable, batches: list) -> Callable:
