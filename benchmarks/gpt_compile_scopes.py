@@ -90,21 +90,18 @@ def child(which: str, argv, hlo_path: str) -> None:
   s = char_gpt.setup(args)
   params, batch = s["params"], s["batch_fn"](0)
   if which == "adamw":
-    state, run = char_gpt.make_adamw_runner(s["loss_fn"], args.adam_lr,
-                                            params)
+    tx, fraction = char_gpt.adamw_transform(args.adam_lr), None
   else:
-    state, run = char_gpt.make_kfac_runner(
-        s["loss_fn"], *char_gpt.kfac_transform(s["collection"], args,
-                                               args.seed), params)
-  step = run.__closure__[0].cell_contents  # The runner's jitted step.
-  lowered = step.lower(params, state, batch)
+    tx, fraction = char_gpt.kfac_transform(s["collection"], args, args.seed)
+  # The step the example's runners jit.
+  step = jax.jit(char_gpt.make_step(s["loss_fn"], tx, fraction))
+  lowered = step.lower(params, tx.init(params), batch)
   print("COMPILE START", flush=True)
   t0 = time.perf_counter()
   compiled = lowered.compile()
   print(f"COMPILE SECONDS {time.perf_counter() - t0:.3f}", flush=True)
   with open(hlo_path, "w", encoding="utf-8") as f:
     f.write(compiled.as_text())
-  del jax
 
 
 def measure(which: str, argv) -> tuple:

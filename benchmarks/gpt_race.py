@@ -138,7 +138,7 @@ def profile(s: dict, gpt) -> None:
   damping = gpt.kfac_damping
   state = jax.jit(lambda st: est.update_cache(st, damping))(state)
   grads = jax.grad(loss_fn)(params, batch)
-  adamw = optax.adamw(gpt.adam_lr, weight_decay=0.01)
+  adamw = char_gpt.adamw_transform(gpt.adam_lr)
   kfac_tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
   rms = optax.scale_by_rms(0.999, eps_in_sqrt=False, bias_correction=True)
   tail = optax.chain(optax.ema(gpt.kfac_momentum, debias=True),

@@ -237,9 +237,14 @@ def make_kfac_runner(loss_fn: Callable, tx, fraction: float, params):
   return _runner(make_step(loss_fn, tx, fraction), tx, params)
 
 
+def adamw_transform(lr: float) -> optax.GradientTransformation:
+  """The baseline: ``optax.adamw(lr, weight_decay=0.01)``, constant rate."""
+  return optax.adamw(lr, weight_decay=0.01)
+
+
 def make_adamw_runner(loss_fn: Callable, lr: float, params):
-  """``(state, step)`` for ``optax.adamw(lr, weight_decay=0.01)``, jitted."""
-  tx = optax.adamw(lr, weight_decay=0.01)
+  """``(state, step)`` for :func:`adamw_transform`, jitted."""
+  tx = adamw_transform(lr)
   return _runner(make_step(loss_fn, tx), tx, params)
 
 
