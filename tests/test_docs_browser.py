@@ -33,7 +33,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
     "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
     # Any host but the local server fails to resolve: the page gets what
     # the site serves and nothing else.
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
