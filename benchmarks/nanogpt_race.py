@@ -200,7 +200,8 @@ def environment() -> str:
   return (f"device: {d.device_kind} ({d.platform}, {jax.device_count()} "
           f"device(s)); jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
           f"optax {optax.__version__}, python {platform.python_version()}, "
-          f"kfac_jax_lite {git_hash()}")
+          f"kfac_jax_lite {getattr(kfac_jax_lite, '__version__', '?')} (git "
+          f"{git_hash()})")
 
 
 def cache_entries(path: Optional[str]) -> Optional[set]:
