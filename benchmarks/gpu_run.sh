@@ -10,7 +10,7 @@
 #            at nanoGPT's shakespeare-char configuration, time to AdamW's best
 #   profile  benchmarks/gpt_race.py --profile at that size: first call and
 #            step of AdamW, kfac_adamw and kfac_optimizer; the parts of the step
-#   step     benchmarks/step_time.py: MLP and autoencoder step and first call
+#   step     benchmarks/step_time.py: the MLP's step and first call, batch 2048
 #   tests    the default test tier
 # Each part's log is $OUT/<part>.log; the race's plot $OUT/nanogpt_race.png.
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -31,7 +31,7 @@ if [ -n "$GPU_RUN_SMOKE" ]; then  # tiny sizes, for checking this script on a CP
 else  # nanoGPT's shakespeare-char size
   GPT=(--width 384 --layers 6 --heads 6 --context 256 --batch-size 64)
   RACE=(--steps 600)
-  STEP=(--models mlp,autoencoder --batch-size 2048)
+  STEP=(--models mlp --batch-size 2048)
   TESTS=(-n 14 tests)
 fi
 
@@ -47,11 +47,11 @@ part() {  # part NAME SECONDS CMD...: CMD under a time limit, its log kept, its 
   echo "=== $n rc=$rc in $(( $(date +%s) - t0 ))s (limit ${s}s)"; tail -n 15 "$OUT/$n.log"
 }
 
-part race 130 $PY benchmarks/nanogpt_race.py "${RACE[@]}" \
+part race 160 $PY benchmarks/nanogpt_race.py "${RACE[@]}" \
   --plot "$OUT/nanogpt_race.png" --compilation-cache "$CACHE"
 part profile 170 $PY benchmarks/gpt_race.py --profile "${GPT[@]}"
-part step 90 $PY benchmarks/step_time.py "${STEP[@]}" --periods 10 \
+part step 60 $PY benchmarks/step_time.py "${STEP[@]}" --periods 10 \
   --stats-fractions "" --no-breakdown --rounds 3 --steps-per-round 10
-part tests 130 $PY -m pytest -vv -p no:cacheprovider -p no:benchmark \
+part tests 140 $PY -m pytest -vv -p no:cacheprovider -p no:benchmark \
   --tb=line -m 'not slow and not perf' "${TESTS[@]}"
 grep -E " (FAILED|ERROR) " "$OUT/tests.log" | sed 's/.*\] //' | sort | uniq | head -40
