@@ -59,11 +59,13 @@ import char_gpt  # noqa: E402  pylint: disable=g-import-not-at-top
 # nanoGPT's shakespeare-char run, as char_gpt.py flags.
 ANCHOR = ["--width", "384", "--layers", "6", "--heads", "6", "--context",
           "256", "--batch-size", "64", "--dropout", "0.2", "--adam-lr",
-          "1e-3", "--kfac-lr", "1e-3", "--steps", "5000", "--eval-every", "50", "--eval-batches", "20"]
+          "1e-3", "--kfac-lr", "1e-3", "--steps", "5000", "--eval-every",
+          "50", "--eval-batches", "20"]
 # A tiny model that runs in seconds on a CPU.
 SMOKE = ["--width", "32", "--layers", "1", "--heads", "2", "--context",
          "16", "--batch-size", "8", "--dropout", "0.2", "--adam-lr", "1e-2",
-         "--kfac-lr", "1e-2", "--steps", "40", "--eval-every", "10", "--eval-batches", "2"]
+         "--kfac-lr", "1e-2", "--steps", "40", "--eval-every", "10",
+         "--eval-batches", "2"]
 
 
 def parse_args(argv: Optional[Sequence[str]]):
@@ -156,6 +158,7 @@ def with_decay(tx, learning_rate, weight_decay: float):
 
 
 def clipped(tx, clip: float):
+  """``tx`` after a clip of the gradient's global norm to ``clip`` (0: tx)."""
   return optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
 
 
@@ -182,12 +185,15 @@ def kfac(collection, args, gpt):
 
 
 def git_hash() -> str:
+  """The checkout's short commit, ``+changes`` if tracked files differ."""
   try:
     out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True, timeout=10)
+                         capture_output=True, text=True, timeout=10,
+                         check=False)
     dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain",
                             "--untracked-files=no"],
-                           capture_output=True, text=True, timeout=10)
+                           capture_output=True, text=True, timeout=10,
+                           check=False)
   except (OSError, subprocess.SubprocessError):
     return "unknown"
   if out.returncode:
@@ -196,6 +202,7 @@ def git_hash() -> str:
 
 
 def environment() -> str:
+  """One line: the device and the versions the figures were measured with."""
   d = jax.devices()[0]
   return (f"device: {d.device_kind} ({d.platform}, {jax.device_count()} "
           f"device(s)); jax {jax.__version__}, jaxlib {jaxlib.__version__}, "

@@ -183,7 +183,7 @@ def test_nanogpt_race_smoke_prints_table_and_plot(tmp_path):
     assert "device: " in out and "jax " in out, out
     assert out.count("valid adamw") == 4, out  # a line every 10 steps
     rows = [l.split("|")[1:-1] for l in out.splitlines()
-            if l.startswith("| adamw") or l.startswith("| kfac_adamw")]
+            if l.startswith(("| adamw", "| kfac_adamw"))]
     assert [r[0].strip() for r in rows] == ["adamw", "kfac_adamw"], out
     for r in rows:
       best, step, median, first = (float(r[1]), int(r[2]), float(r[6]),
