@@ -1,4 +1,8 @@
-"""The LAPACK thread limit around the library's refresh (_blas_threads)."""
+"""The LAPACK thread limit around the library's refresh (_blas_threads).
+
+The limit is emitted for XLA:CPU only (``lax.platform_dependent``): the
+tests that watch it are ``cpu_only``.
+"""
 
 import os
 import subprocess
@@ -63,6 +67,7 @@ def _probed(x):
   return chol, seen[0], seen[1:]
 
 
+@pytest.mark.cpu_only
 @needs_lapack
 @pytest.mark.usefixtures("outside")
 def test_limited_during_the_call_and_restored_after():
@@ -81,6 +86,7 @@ def test_limited_during_the_call_and_restored_after():
   assert int(inside) == OUTSIDE
 
 
+@pytest.mark.cpu_only
 @needs_lapack
 @pytest.mark.usefixtures("outside")
 def test_limit_inside_cond_vmap_and_pmap():
@@ -124,6 +130,7 @@ def test_values_and_gradients_unchanged():
       grad, jax.grad(lambda m: fn(m, 2.0)["inv"].sum())(m))
 
 
+@pytest.mark.cpu_only
 @needs_lapack
 @pytest.mark.usefixtures("outside")
 def test_kfac_refresh_runs_limited_and_restores():
