@@ -85,6 +85,10 @@ if "KFAC_TEST_BACKEND" not in os.environ:  # Once, in the controller.
     # Accelerators run float32 matmuls at lower precision by default
     # (TF32 on NVIDIA GPUs); the suite compares against float32 references.
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    if "jax" in sys.modules:  # A plugin imported it: too late for the variable.
+      sys.modules["jax"].config.update(
+          "jax_default_matmul_precision",
+          os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
