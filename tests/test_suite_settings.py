@@ -24,6 +24,16 @@ def test_conftest_probed_this_processs_backend():
   assert os.environ["KFAC_TEST_BACKEND"] == jax.default_backend()
 
 
+def test_llvm_flags_only_where_the_cpu_is_the_default_backend():
+  """XLA:GPU's code generation reads the LLVM flags too: conftest adds
+  them only where the CPU is the default backend."""
+  if jax.default_backend() == "cpu":
+    pytest.skip("the CPU is the default backend")
+  flags = os.environ.get("XLA_FLAGS", "")
+  for name in ("xla_llvm_disable_expensive", "xla_backend_optimization_level"):
+    assert name not in flags, flags
+
+
 def test_accelerators_compute_float32_matmuls_in_float32():
   """Where the default matmul precision is lower than float32 (TF32 on
   NVIDIA GPUs: about 1e-3 relative error), conftest pins ``highest``."""
