@@ -4,6 +4,16 @@ Factors are symmetric PSD matrices estimated from data. Everything here works
 in :func:`factor_dtype` (float32, or float64 when ``jax_enable_x64`` is on),
 symmetrises its input and clips eigenvalues at zero.
 
+Matmul precision: the matrix functions that form a damped inverse or power
+(:func:`damped_power`, :func:`damped_powers`) multiply at
+:data:`REFRESH_PRECISION` (``HIGHEST``: true float32) on every platform.
+A GPU multiplies float32 at TF32 by default (10 mantissa bits), which a
+factor damped by ``1e-6`` cannot afford: ``L⁻ᵀ L⁻¹`` of a Cholesky factor
+of condition ``1e6`` would keep about no correct digit. The products that
+apply a cached inverse to a gradient (:func:`matmul_left`, :func:`rotate`,
+...) follow JAX's default precision, as the user's model does
+(docs/performance.md#matmul-precision).
+
 References:
   Martens & Grosse (2015), "Optimizing neural networks with Kronecker-factored
   approximate curvature", sec. 6.3 (factored Tikhonov damping, eq. 13-14:
@@ -16,6 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite import _xla_cpu
+
+# The precision of the refresh's matmuls (module docstring).
+REFRESH_PRECISION = jax.lax.Precision.HIGHEST
+
+
+def _mm(a, b):
+  """``a @ b`` at :data:`REFRESH_PRECISION`."""
+  return jnp.matmul(a, b, precision=REFRESH_PRECISION)
 
 
 @_xla_cpu.sequential_under_vmap
@@ -122,7 +140,8 @@ def damped_power(m, damping, exp):
   """``(m + damping I)^exp`` for a symmetric PSD ``m`` (matrix or diagonal).
 
   ``exp == -1`` on a matrix uses a Cholesky factorisation; other exponents
-  an eigendecomposition with clipped eigenvalues.
+  an eigendecomposition with clipped eigenvalues. The products run at
+  :data:`REFRESH_PRECISION`.
   """
   m = m.astype(factor_dtype())
   if m.ndim == 1:
@@ -132,9 +151,9 @@ def damped_power(m, damping, exp):
     # (L Lᵀ)⁻¹ = L⁻ᵀ L⁻¹: one triangular solve and one matmul
     # (docs/performance.md#inverse-from-cholesky).
     chol_inv = cholesky_inverse(symmetrize(m) + damping * eye)
-    return chol_inv.T @ chol_inv
+    return _mm(chol_inv.T, chol_inv)
   s, u = safe_eigh(m)
-  return (u * jnp.power(s + damping, exp)[None, :]) @ u.T
+  return _mm(u * jnp.power(s + damping, exp)[None, :], u.T)
 
 
 def damped_powers(m, damping, exps) -> dict:
@@ -142,13 +161,14 @@ def damped_powers(m, damping, exps) -> dict:
 
   A lone inverse of a matrix uses a Cholesky solve; several powers (or any
   other power) share one eigendecomposition, as TF K-FAC's
-  ``DenseSquareMatrixFactor.make_inverse_update_ops``.
+  ``DenseSquareMatrixFactor.make_inverse_update_ops``. The products run
+  at :data:`REFRESH_PRECISION`.
   """
   exps = tuple(float(e) for e in exps)
   if m.ndim == 1 or exps in ((), (-1.0,)):
     return {e: damped_power(m, damping, e) for e in exps}
   s, u = safe_eigh(m)
-  return {e: (u * jnp.power(s + damping, e)[None, :]) @ u.T for e in exps}
+  return {e: _mm(u * jnp.power(s + damping, e)[None, :], u.T) for e in exps}
 
 
 def damped_cholesky(m, damping):
