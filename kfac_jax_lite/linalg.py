@@ -7,9 +7,10 @@ symmetrises its input and clips eigenvalues at zero.
 Matmul precision: the matrix functions that form a damped inverse or power
 (:func:`damped_power`, :func:`damped_powers`) multiply at
 :data:`REFRESH_PRECISION` (``HIGHEST``: true float32) on every platform.
-A GPU multiplies float32 at TF32 by default (10 mantissa bits), which a
-factor damped by ``1e-6`` cannot afford: ``L⁻ᵀ L⁻¹`` of a Cholesky factor
-of condition ``1e6`` would keep about no correct digit. The products that
+A GPU multiplies float32 at TF32 by default (inputs rounded to 10
+mantissa bits, relative error about ``5e-4``), which a factor damped by
+``1e-6`` cannot afford: its condition number, up to about ``1e6``,
+magnifies that error in ``L⁻ᵀ L⁻¹``. The products that
 apply a cached inverse to a gradient (:func:`matmul_left`, :func:`rotate`,
 ...) follow JAX's default precision, as the user's model does
 (docs/performance.md#matmul-precision).
@@ -38,7 +39,8 @@ def _mm(a, b):
 
 @_xla_cpu.sequential_under_vmap
 def cholesky(m):
-  """Lower Cholesky factor of a symmetric ``m``, sequential under ``vmap``
+  """Lower Cholesky factor of a symmetric ``m``; under ``vmap`` one matrix
+  at a time on the CPU, one batched call elsewhere
   (:func:`~kfac_jax_lite._xla_cpu.sequential_under_vmap`).
 
   ``m`` must be exactly symmetric (callers pass ``symmetrize(x) + d I``):
@@ -52,7 +54,7 @@ def cholesky(m):
 
 @_xla_cpu.sequential_under_vmap
 def lower_triangular_solve(chol, b):
-  """``L⁻¹ b`` for a lower-triangular ``L``, sequential under ``vmap``."""
+  """``L⁻¹ b`` for a lower-triangular ``L`` (``vmap`` as :func:`cholesky`)."""
   return jax.scipy.linalg.solve_triangular(chol, b, lower=True)
 
 
@@ -62,7 +64,8 @@ def cholesky_inverse(m):
 
   :func:`cholesky` and :func:`lower_triangular_solve` in one function,
   so that under ``vmap`` (a group of same-shaped factors) both run in one
-  ``lax.map``: one loop instead of two (docs/performance.md#lapack-under-vmap).
+  ``lax.map`` on the CPU: one loop instead of two
+  (docs/performance.md#lapack-under-vmap).
   """
   return lower_triangular_solve(cholesky(m),
                                 jnp.eye(m.shape[0], dtype=m.dtype))
@@ -70,13 +73,13 @@ def cholesky_inverse(m):
 
 @_xla_cpu.sequential_under_vmap
 def eigh(m):
-  """``jnp.linalg.eigh``, sequential under ``vmap``."""
+  """``jnp.linalg.eigh`` (``vmap`` as :func:`cholesky`)."""
   return jnp.linalg.eigh(m)
 
 
 @_xla_cpu.sequential_under_vmap
 def solve(a, b):
-  """``jnp.linalg.solve`` (LU), sequential under ``vmap``."""
+  """``jnp.linalg.solve`` (LU) (``vmap`` as :func:`cholesky`)."""
   return jnp.linalg.solve(a, b)
 
 

@@ -79,7 +79,8 @@ def bucketed_map(fn, mats, dampings, padded_sizes=None) -> list:
   (``[n]`` for vectors) is the unpadded result. Every member of a bucket
   reaches ``fn`` through the same kernels: its size ``n`` and its damping
   are runtime arguments (read from vectors at
-  :func:`~kfac_jax_lite._xla_cpu.opaque_indices`). ``fn`` is not
+  :func:`~kfac_jax_lite._xla_cpu.opaque_indices`, in the CPU program:
+  elsewhere at constants). ``fn`` is not
   ``vmap``-ed over a bucket (docs/performance.md#size-buckets).
 
   Args:
