@@ -100,7 +100,8 @@ def _real_conditionals(text) -> int:
   """Conditionals that choose at run time. ``lax.platform_dependent``
   leaves two cases per call in a program lowered for one platform: one
   on a constant platform index, and one with only that platform's
-  branch; XLA inlines both before any other pass."""
+  branch. The first selects on a constant and yields the second's
+  selector; XLA inlines both."""
   return sum(1 for regions, constant in _conditionals(text)
              if regions > 1 and not constant)
 
