@@ -43,8 +43,9 @@ def sequential_under_vmap(fn):
   deadlock a small pool; mapped one matrix at a time they never wait on
   the pool, and the program still holds one kernel per shape, not one per
   layer (docs/performance.md#lapack-under-vmap). A GPU has no such pool:
-  there a stack of ``B`` matrices is one batched cuSOLVER call, not ``B``
-  launches in a loop (:func:`on_cpu` picks the rule when lowering).
+  there a stack of ``B`` matrices is one batched cuSOLVER custom call, not
+  an XLA loop of ``B`` calls, each iteration waiting on its predicate
+  (:func:`on_cpu` picks the rule when lowering).
   """
   wrapped = _sequential_vmap(fn)
 
