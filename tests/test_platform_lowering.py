@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kl
+from kfac_jax_lite import linalg
 from tests import helpers
 from tests import problems
 
@@ -215,3 +216,23 @@ def test_refresh_precision_leaves_the_default_as_it_was():
   text = jax.jit(jnp.matmul).lower(a, a).as_text()
   assert _dot_precisions(text) in ([None], [("DEFAULT", "DEFAULT")])
 
+
+
+def test_one_program_for_both_platforms_holds_both_choices():
+  """Chosen at lowering, not by a flag: lowered for cpu and cuda at once,
+  the program holds the CPU loop and the batched cuSOLVER call, behind a
+  conditional on the platform (jax then lowers every primitive inside
+  for both platforms too, so each branch also holds the other platform's
+  kernels, which never run)."""
+  spd = jnp.broadcast_to(2.0 * jnp.eye(5), (3, 5, 5))
+  traced = jax.jit(jax.vmap(linalg.cholesky_inverse)).trace(spd)
+  both = traced.lower(lowering_platforms=("cpu", "cuda")).as_text()
+  assert both.count("stablehlo.while") >= 1
+  assert "3x5x5" in _potrf_shapes(both)
+  assert "lapack_spotrf_ffi" in _custom_calls(both)
+  cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert cuda.count("stablehlo.while") == 0
+  assert _potrf_shapes(cuda) == ["3x5x5"]
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert cpu.count("stablehlo.while") == 1
+  assert not _potrf_shapes(cpu)
