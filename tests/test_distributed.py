@@ -447,9 +447,9 @@ def _example(name):
     ("pmap_data_parallel", ["--distributed-inverses"]),
     ("shard_map_data_parallel", ["--stats-sync", "before_refresh"])])
 def test_data_parallel_examples_run(name, flags, capsys):
-  if jax.device_count() < R:  # The example maps over jax.devices().
-    pytest.skip(f"needs {R} devices: JAX's default backend "
-                f"({jax.default_backend()}) has {jax.device_count()}")
+  """The example picks the devices helpers.replica_devices does: the
+  default backend's, or the simulated CPU devices beside one GPU."""
+  platform = helpers.replica_devices(R)[0].platform
   res = _example(name).main(
       ["--devices", str(R), "--steps", "3", "--hidden", "16", "--depth", "1",
        "--batch-size", "32", "--train-size", "256", "--inverse-period", "2",
@@ -457,7 +457,9 @@ def test_data_parallel_examples_run(name, flags, capsys):
   assert res["devices"] == R and res["steps"] == 3
   assert len(res["losses"]) == 3 and all(np.isfinite(res["losses"]))
   assert 0.0 <= res["test_accuracy"] <= 1.0
-  assert "final loss" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert f"{R} of " in out and f" {platform} devices" in out, out
+  assert "final loss" in out
 
 
 @pytest.mark.slow

@@ -66,6 +66,7 @@ import kfac_jax_lite as kl
 from kfac_jax_lite import kinds
 from kfac_jax_lite import statistics
 from tests import generated_models as gm
+from tests import helpers
 
 DTYPES = ("float32", "bfloat16", "float16")
 SLOW_DTYPES = DTYPES + ("float64",)
@@ -263,7 +264,8 @@ def _runner(structure: Structure) -> Runner:
     return direction, state, products
 
   if axis:
-    runner.fn = jax.pmap(step, axis, devices=jax.devices()[:s.dist.replicas])
+    runner.fn = jax.pmap(step, axis,
+                         devices=helpers.replica_devices(s.dist.replicas))
   else:
     runner.fn = jax.jit(step)
   return runner
@@ -419,7 +421,8 @@ def _check(structure: Structure, nums: Numbers) -> None:
   if r:
     # Placed as pmap places its outputs, so that a state coming out of a
     # step is passed in as the initial state was.
-    sharding = NamedSharding(Mesh(np.array(jax.devices()[:r]), ("d",)),
+    sharding = NamedSharding(Mesh(np.array(helpers.replica_devices(r)),
+                                  ("d",)),
                              PartitionSpec("d"))
     rep = lambda t: jax.device_put(jax.tree.map(  # noqa: E731
         lambda a: np.stack([np.asarray(a)] * r), t), sharding)
@@ -483,9 +486,16 @@ SEEN = {"default": set(), "slow": set()}
 
 
 def _run_tier(tier: str, structure: Structure) -> None:
-  if structure.dist.replicas > jax.device_count():
-    pytest.skip(f"needs {structure.dist.replicas} devices (tests/conftest.py "
-                "sets 4)")
+  """``PER_STRUCTURE[tier]`` configurations of ``structure``. A structure
+  under ``pmap`` runs on ``helpers.replica_devices`` (the simulated CPU
+  devices beside one GPU), with its arrays and eager ops there too."""
+  replicas = structure.dist.replicas
+  with (helpers.on_replica_devices(replicas) if replicas
+        else contextlib.nullcontext()):
+    _run_configurations(tier, structure)
+
+
+def _run_configurations(tier: str, structure: Structure) -> None:
   seen = set()
 
   # A fixed seed per structure: a reproducible run, and different numbers
