@@ -96,6 +96,35 @@ def test_bad_minimum_names_the_argument(bad):
     kl.FisherEstimator(collection, stats_min_examples=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "4"])
+def test_bad_position_stride_names_the_argument(bad):
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  with pytest.raises(ValueError, match=r"stats_position_stride=.*positive"):
+    kl.FisherEstimator(collection, stats_position_stride=bad)
+  with pytest.raises(ValueError, match="stats_position_stride"):
+    kl.kfac_adamw(1e-3, collection, stats_position_stride=bad)
+
+
+def test_kfac_adamw_passes_the_position_stride_to_its_estimator():
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  est = kl.FisherEstimator(collection)
+  with pytest.raises(ValueError, match="stats_position_stride=2"):
+    kl.kfac_adamw(1e-3, collection, stats_position_stride=2, estimator=est)
+  grads = jax.grad(helpers.classifier_loss)(params, batch)
+
+  def updates(**kw):
+    tx = kl.kfac_adamw(1e-3, collection, stats_fraction=1.0, **kw)
+    return tx.update(grads, tx.init(params), params, batch=batch)[0]
+
+  # Every row on CPU by default; every 2nd row (of 8 examples) differs.
+  jax.tree.map(np.testing.assert_array_equal, updates(),
+               updates(stats_position_stride=1))
+  assert not all(jax.tree.leaves(jax.tree.map(
+      np.array_equal, updates(), updates(stats_position_stride=2))))
+
+
 @pytest.mark.parametrize("batch_size,fraction,minimum,rows", [
     (500, 0.25, 64, 125), (200, 0.25, 64, 64), (40, 0.25, 64, 40),
     (8, 0.5, 1, 4), (8, 0.3, 1, 3), (10, 1.0, 64, 10)])
