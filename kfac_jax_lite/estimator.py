@@ -107,9 +107,10 @@ class FisherEstimator(products.CurvatureProducts):
     stats_min_examples: the floor on ``m`` above (default 64).
     stats_position_stride: ``k``: dense Kronecker factors (``kron``,
       ``kron_indep`` and their diagonal variants) average every ``k``-th of
-      their ``N`` rows (the examples' positions and uses, in order) from an
-      offset ``o`` drawn uniformly from ``{0..k-1}`` at each statistics
-      pass, divided by ``N/k``:
+      their ``N = B c`` rows (``c`` positions and uses of each of ``B``
+      examples, in order; ``k`` at most ``c``, so examples are never
+      dropped) from an offset ``o`` drawn uniformly from ``{0..k-1}`` at
+      each statistics pass, divided by ``N/k``:
 
       .. math::
         \\hat A = \\frac{k}{N} \\sum_j \\bar a_{o+jk} \\bar a_{o+jk}^T,

@@ -176,3 +176,19 @@ def test_kfac_adamw_trains_with_strided_statistics():
     losses.append(float(loss))
   assert np.all(np.isfinite(losses))
   assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_kfac_adamw_passes_the_position_stride_to_its_estimator():
+  params, batch = _seq_problem()
+  c = kl.scan(_seq_loss, params, batch)
+  grads = jax.grad(_seq_loss)(params, batch)
+
+  def updates(**kw):
+    tx = kl.kfac_adamw(1e-3, c, stats_fraction=1.0, **kw)
+    return tx.update(grads, tx.init(params), params, batch=batch)[0]
+
+  # Every row on CPU by default; every 2nd position differs.
+  jax.tree.map(np.testing.assert_array_equal, updates(),
+               updates(stats_position_stride=1))
+  assert not all(jax.tree.leaves(jax.tree.map(
+      np.array_equal, updates(), updates(stats_position_stride=2))))

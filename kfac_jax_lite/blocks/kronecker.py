@@ -28,6 +28,11 @@ locations, known only from the data), kept in the state with the factors.
 Either factor may be kept diagonal (``kron_in_diag``, ``kron_out_diag``,
 ``kron_both_diag``), stored as a vector.
 
+A dense layout's factors may average every ``k``-th of their rows only,
+from an offset drawn at each statistics pass
+(``BlockConfig.stats_position_stride``, :func:`strided_rows`): an unbiased
+estimate of ``A`` and ``G`` whose products cost ``k`` times fewer flops.
+
 Damping (TF K-FAC semantics): with :math:`\\lambda' = \\lambda / c`,
 ``damping_type="pi"`` uses :math:`c (A + \\pi\\sqrt{\\lambda'} I) \\otimes
 (G + \\sqrt{\\lambda'}/\\pi I)`; ``damping_type="exact"`` uses
@@ -141,14 +146,17 @@ def kron_stats(x, g, batch_size, a_diagonal, g_diagonal, what,
     A = \\frac{1}{N} \\sum_n \\bar a_n \\bar a_n^T, \\quad
     G = \\frac{1}{N} \\sum_{s, n} g_{s,n} g_{s,n}^T, \\quad c = N / B
 
-  with ``N = B c`` rows (examples x uses x locations). With ``stride``
-  ``k > 1`` and a ``draw``, both sums run over the rows ``o, o + k, ...``
-  only and are divided by ``N/k`` (:func:`strided_rows`: unbiased, ``k``
-  times fewer flops); ``c`` still counts every row.
+  with ``N = B c`` rows (examples x uses x locations). With ``stride > 1``
+  and a ``draw``, both sums run over the rows ``o, o + k, ...`` only,
+  ``k = min(stride, c)``, and are divided by ``N/k`` (:func:`strided_rows`:
+  unbiased, ``k`` times fewer flops); ``c`` still counts every row. The
+  stride thins an example's positions, never the examples: with one row
+  per example (``c = 1``) every row is used.
   """
   c = base.rows_per_example(x.shape[0], batch_size, what)
+  stride = min(stride, c)
   count = None
-  if stride != 1 and draw is not None:
+  if stride > 1 and draw is not None:
     x, count = strided_rows(x, 0, stride, draw)
     g, _ = strided_rows(g, 1, stride, draw)
   return {"a": second_moment(x, a_diagonal, count),
