@@ -22,7 +22,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from kfac_jax_lite import kinds
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -228,9 +228,9 @@ def test_every_snippet_is_included_by_a_page():
 def test_generated_tables_cover_the_registries():
   hooks = _hooks()
   modes = hooks.modes_table()
-  for mode in statistics.MODES:
+  for mode in linearization.MODES:
     assert f"| `{mode}` |" in modes
-  for alias in statistics.MODE_ALIASES:
+  for alias in linearization.MODE_ALIASES:
     assert f"`{alias}`" in modes
   table = hooks.tags_table()
   for name in kinds.KINDS:

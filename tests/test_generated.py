@@ -64,7 +64,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from kfac_jax_lite import kinds
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 from tests import generated_models as gm
 from tests import helpers
 
@@ -158,7 +158,7 @@ def plan(tier: str) -> list:
       dtype=_balanced(DTYPES if tier == "default" else SLOW_DTYPES, n, rng),
       loss=_balanced(gm.LOSSES, n, rng),
       masked=_balanced((False, True), n, rng),
-      mode=_balanced(statistics.MODES, n, rng),
+      mode=_balanced(linearization.MODES, n, rng),
       dist=_balanced(PLANNED_DISTS, n, rng),
       period=_balanced((1, 2), n, rng),
       feed=_balanced(("batch", "stats"), n, rng))
@@ -535,7 +535,7 @@ def test_plans_cover_the_registry_and_reach_the_targets():
                           ("uses", gm.USES), ("masked", (False, True))):
       assert {getattr(s.model, field) for s in structures} >= set(values), (
           tier, field)
-    assert {s.mode for s in structures} == set(statistics.MODES), tier
+    assert {s.mode for s in structures} == set(linearization.MODES), tier
     assert {s.dist for s in structures} >= set(DISTS), tier
     # Each structure must run PER_STRUCTURE distinct configurations.
     assert len(structures) * PER_STRUCTURE[tier] >= TARGET[tier], tier
