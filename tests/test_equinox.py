@@ -170,6 +170,16 @@ def test_mlp_is_recognised_untagged():
   assert all(l.meta_dict["kernel_perm"] == (1, 0) for l in c.layers)
 
 
+def test_mlp_with_scan_is_a_stacked_layer():
+  model = eqx.nn.MLP(6, 5, 7, 3, activation=jnp.tanh, scan=True,
+                     key=jax.random.PRNGKey(0))
+  c, _, _ = _scan(model, _image_batch(jax.random.PRNGKey(1), (6,)))
+  _no_fallback(c)
+  assert [(l.kind, l.stack) for l in c.layers] == [
+      ("fully_connected", 0), ("fully_connected", 2),
+      ("fully_connected", 0)]
+
+
 def test_cnn_is_recognised_untagged():
   c, _, _ = _scan(CNN(jax.random.PRNGKey(0)),
                   _image_batch(jax.random.PRNGKey(1)))

@@ -24,8 +24,6 @@ RESHAPE_VIEW = frozenset({"reshape", "squeeze", "expand_dims"})
 INLINE = frozenset({
     "jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
-TIED_HINT = ("a transposed kernel, as in a tied output projection "
-             "(flax Embed.attend, x @ table.T)")
 
 
 # ---------------------------------------------------------------------------
