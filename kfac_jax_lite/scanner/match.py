@@ -251,8 +251,7 @@ class Matcher:
       else:
         feat_at = pos[0]
     perm = d.perm or tuple(range(len(canon)))
-    out = self._move(d, feat=feat, **self._layout(canon, perm, feat_at))
-    return out
+    return self._move(d, feat=feat, **self._layout(canon, perm, feat_at))
 
   def _layout(self, canon, perm, feat_at):
     """Draft fields for output ``canon.transpose(perm).reshape(y)``."""
