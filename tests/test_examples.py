@@ -82,6 +82,26 @@ def test_flax_cnn_classifier_runs(mnist, capsys):
   assert "found by" in capsys.readouterr().out  # describe() was printed.
 
 
+def test_equinox_cnn_runs(mnist, tmp_path, capsys):
+  pytest.importorskip("equinox")
+  ex = _load_example("equinox_cnn")
+  png = tmp_path / "eqx.png"
+  results = ex.main(["--steps", "3", "--batch-size", "16", "--channels",
+                     "2", "--hidden", "8", "--eval-examples", "64",
+                     "--window", "2", "--log-every", "1", "--plot",
+                     str(png), *mnist])
+  k, a = results["kfac"], results["adam"]
+  for run in (k, a):
+    assert len(run["losses"]) == len(run["times"]) == 3
+    assert _finite(run["losses"]) and run["first_call_s"] > 0
+  # Untagged: every Equinox layer recognised, none generic.
+  assert [kind for _, kind, _ in results["layers"]] == [
+      "conv", "conv", "scale_and_shift", "fully_connected",
+      "fully_connected"]
+  assert png.stat().st_size > 0
+  assert "K-FAC reached it" in capsys.readouterr().out
+
+
 def test_nnx_mlp_runs(mnist):
   pytest.importorskip("flax")
   nnx_mlp = _load_example("nnx_mlp")

@@ -26,6 +26,7 @@ import math
 from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
 
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite import trees
@@ -180,6 +181,40 @@ def rows_per_example(num_rows: int, batch_size: int, what: str) -> int:
         f"batch_size={batch_size}. Every recorded input must have the batch "
         "as its leading axis.")
   return num_rows // batch_size
+
+
+def kernel_to_mat(w, perm, d_in: int, d_out: int):
+  """A dense kernel leaf as the ``[d_in, d_out]`` matrix of ``y = x W``.
+
+  ``perm`` lists the leaf's axes in ``[*in_axes, *out_axes]`` order (None:
+  they are in that order already): Equinox's ``Linear`` keeps ``[d_out,
+  d_in]`` and applies ``w @ x`` (``perm = (1, 0)``); the matrix is the one
+  of the same layer written ``x @ w.T``.
+  """
+  if perm is not None:
+    w = jnp.transpose(w, perm)
+  return w.reshape(d_in, d_out)
+
+
+def mat_to_kernel(m, perm, shape: tuple):
+  """The inverse of :func:`kernel_to_mat`: ``[..., d_in, d_out]`` matrices
+  back to kernels of the leaf's ``shape`` (leading axes kept)."""
+  lead = m.shape[:-2]
+  if perm is None:
+    return m.reshape(lead + tuple(shape))
+  m = m.reshape(lead + tuple(shape[a] for a in perm))
+  inv = [perm.index(a) for a in range(len(perm))]
+  return jnp.transpose(m, tuple(range(len(lead))) + tuple(
+      len(lead) + i for i in inv))
+
+
+def kernel_ravel_index(perm, shape: tuple, d_in: int, d_out: int):
+  """Where each entry of the ``[d_in, d_out]`` matrix sits in the leaf's
+  ravel order (None when the orders agree)."""
+  if perm is None:
+    return None
+  idx = np.arange(int(math.prod(shape))).reshape(shape)
+  return np.transpose(idx, perm).reshape(d_in, d_out)
 
 
 def with_bias_row(m, b):

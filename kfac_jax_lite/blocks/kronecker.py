@@ -47,6 +47,7 @@ from typing import Any, NamedTuple, Optional
 
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
@@ -175,11 +176,21 @@ class DenseLayout:
 
   Inputs ``[B, U, ..., d_in]`` give ``B·U·...`` rows; every position is a
   use of the weights, so ``c = U·...`` (summed over tag sites).
+
+  ``kernel_perm`` (with the leaf's ``kernel_shape``) is for a kernel kept in
+  another layout than ``[*in_axes, *out_axes]``: Equinox's ``Linear`` holds
+  ``[d_out, d_in]`` and computes ``w @ x`` (``kernel_perm = (1, 0)``). ``W``
+  is then the kernel of the same layer written ``x @ w.T``, so the factors,
+  the curvature and the direction do not depend on how the product was
+  written (the inputs and output gradients the scanner records are in the
+  ``[..., d_in]`` / ``[..., d_out]`` layout either way).
   """
   d_in: int
   d_out: int
   has_bias: bool
   num_uses: int
+  kernel_perm: Optional[tuple] = None
+  kernel_shape: Optional[tuple] = None
 
   @property
   def a_dim(self) -> int:
@@ -194,15 +205,26 @@ class DenseLayout:
     return self.num_uses
 
   def to_mat(self, v: tuple):
-    w = v[0].astype(linalg.factor_dtype()).reshape(self.d_in, self.d_out)
+    w = base.kernel_to_mat(v[0].astype(linalg.factor_dtype()),
+                           self.kernel_perm, self.d_in, self.d_out)
     return base.with_bias_row(w, v[1] if self.has_bias else None)
 
   def from_mat(self, m, like: tuple) -> tuple:
-    return base.vector_dtype_cast(
-        base.split_bias_row(m, self.d_in, self.has_bias), like)
+    w, *b = base.split_bias_row(m, self.d_in, self.has_bias)
+    if self.kernel_perm is not None:
+      w = base.mat_to_kernel(w, self.kernel_perm, self.kernel_shape)
+    return base.vector_dtype_cast((w, *b), like)
 
   def ravel_index(self):
-    return None  # [w; b] row-major is the ravel order of (w, b).
+    """None when ``[w; b]`` row-major is the ravel order of ``(w, b)``."""
+    idx = base.kernel_ravel_index(self.kernel_perm, self.kernel_shape,
+                                  self.d_in, self.d_out)
+    if idx is None:
+      return None
+    n = idx.size
+    rows = [idx] + ([np.arange(n, n + self.d_out)[None]]
+                    if self.has_bias else [])
+    return np.concatenate(rows, axis=0).reshape(-1)
 
   def rows(self, data: base.LayerData):
     """Input rows ``[N, d_a]`` and gradient rows ``[S, N, d_g]``."""
@@ -565,21 +587,40 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
     return to_ravel_order(f, self.layout.ravel_index())
 
 
-def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
-  """The Kronecker block of a (possibly multi-use) dense layer."""
-  w_shape = layer.param_shapes[0]
-  # Recognised DenseGeneral kernels [*in_axes, *out_axes] say how many
-  # leading axes are inputs; the matrix is the row-major reshape.
-  k = layer.meta_dict.get("kernel_in_axes")
+def dense_dims(layer: Layer) -> tuple:
+  """``(d_in, d_out, kernel_perm)`` of a dense layer's kernel.
+
+  A recognised kernel may say (in its metadata) which of its axes are
+  inputs: ``kernel_perm`` orders the leaf's axes as ``[*in_axes,
+  *out_axes]`` (Equinox's ``[d_out, d_in]``: ``(1, 0)``) and
+  ``kernel_in_axes`` counts the input axes (DenseGeneral's ``[*in_axes,
+  *out_axes]``); the matrix is the row-major reshape of the ordered kernel.
+
+  Raises:
+    ValueError: for a kernel that is not rank 2 and says neither.
+  """
+  w_shape = tuple(layer.param_shapes[0])
+  meta = layer.meta_dict
+  perm = meta.get("kernel_perm")
+  k = meta.get("kernel_in_axes")
   if k is None and len(w_shape) != 2:
     raise ValueError(
         f"Layer {layer.name!r} has kernel shape {w_shape}; a Kronecker block "
         "needs a rank-2 [d_in, d_out] kernel. Register it with "
         "register_generic(...) or pass approx='diagonal'.")
   k = 1 if k is None else k
-  layout = DenseLayout(d_in=math.prod(w_shape[:k]),
-                       d_out=math.prod(w_shape[k:]),
-                       has_bias=layer.has_bias, num_uses=layer.num_uses)
+  shape = w_shape if perm is None else tuple(w_shape[a] for a in perm)
+  perm = None if perm is None else tuple(perm)
+  return math.prod(shape[:k]), math.prod(shape[k:]), perm
+
+
+def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
+  """The Kronecker block of a (possibly multi-use) dense layer."""
+  d_in, d_out, perm = dense_dims(layer)
+  layout = DenseLayout(d_in=d_in, d_out=d_out, has_bias=layer.has_bias,
+                       num_uses=layer.num_uses, kernel_perm=perm,
+                       kernel_shape=tuple(layer.param_shapes[0])
+                       if perm is not None else None)
   approx = layer.approx
   return KroneckerBlock(
       layer=layer, config=config, layout=layout,
@@ -594,4 +635,5 @@ def dense_reduce_block(layer: Layer, config: base.BlockConfig
   lay = expand.layout
   return dataclasses.replace(expand, layout=ReduceDenseLayout(
       d_in=lay.d_in, d_out=lay.d_out, has_bias=lay.has_bias,
-      num_uses=lay.num_uses))
+      num_uses=lay.num_uses, kernel_perm=lay.kernel_perm,
+      kernel_shape=lay.kernel_shape))

@@ -78,7 +78,8 @@ class _Interpreter:
         outs = [invals[0]]
       elif slot in self.eps:
         outs = _bind(eqn, invals)
-        outs[0] = outs[0] + self.eps[slot].astype(outs[0].dtype)
+        eps = self.sites[key].perturbation(self.eps[slot])
+        outs[0] = outs[0] + eps.astype(outs[0].dtype)
         self.layer_records[slot] = self.sites[key].record(read)
       elif not self._under(f"{key}/"):
         outs = _bind(eqn, invals)
