@@ -55,7 +55,7 @@ def resolve_approx(kind: str, num_uses: int, explicit: Optional[str],
   if chosen is None and approximations:
     # Longest matching parameter-path prefix wins over a kind key.
     best = None
-    for k, v in approximations.items():
+    for k in approximations:
       if k in APPROXIMATIONS:
         continue
       if any(p.startswith(k) for p in param_paths):
