@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Any, Mapping, Optional, TYPE_CHECKING
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -140,8 +140,6 @@ class FisherEstimator(products.CurvatureProducts):
   stats_min_examples: int = 64
   block_factories: Optional[Mapping] = dataclasses.field(
       default=None, hash=False)
-  if TYPE_CHECKING:  # set by __post_init__; not a field at runtime
-    _blocks: tuple = dataclasses.field(init=False)
 
   def __post_init__(self):
     if not isinstance(self.collection, LayerCollection):

@@ -41,6 +41,7 @@ class CurvatureProducts:
   axis_name: Any
   _stacked: Callable[..., list]
   _replace: Callable[..., Any]
+  _blocks: tuple  # set by the estimator's __post_init__, read by blocks
 
   @functools.cached_property
   def _live(self) -> tuple:
