@@ -195,8 +195,13 @@ class CustomLossSpec(losses.PositionLoss):
   fisher_factor_transpose = fisher_factor
 
 
-def make_spec(meta: dict, shape) -> CustomLossSpec:
-  """The :class:`CustomLossSpec` of a tag's static metadata."""
+def make_loss_spec(kind: str, meta: dict, shape) -> losses.PositionLoss:
+  """The loss of a tag: its kind, static metadata and ``z``'s shape: a
+  :class:`CustomLossSpec` for ``kind="custom"``
+  (:func:`~kfac_jax_lite.register_loss_function`), else the built-in
+  :class:`~kfac_jax_lite.losses.LossSpec` (:func:`losses.make_spec`)."""
+  if kind != "custom":
+    return losses.make_spec(kind, meta, shape)
   return CustomLossSpec(
       loss_fn=meta["loss_fn"], sampler=meta.get("sampler"),
       weight=float(meta.get("weight", 1.0)),

@@ -384,13 +384,10 @@ class LossSpec(PositionLoss):
   multiply_ggn = multiply_fisher
 
 
-def make_loss_spec(kind: str, meta: dict, shape) -> PositionLoss:
-  """The loss of a tag: its kind, static metadata and ``z``'s shape."""
-  if kind == "custom":
-    # Imported here: custom_losses builds on this module.
-    # pylint: disable-next=g-import-not-at-top
-    from kfac_jax_lite import custom_losses
-    return custom_losses.make_spec(meta, shape)
+def make_spec(kind: str, meta: dict, shape) -> LossSpec:
+  """The :class:`LossSpec` of a built-in loss tag: its kind, static
+  metadata and ``z``'s shape (a tag of any kind:
+  :func:`kfac_jax_lite.custom_losses.make_loss_spec`)."""
   return LossSpec(kind=kind, weight=float(meta.get("weight", 1.0)),
                   var=float(meta.get("var", 0.5)),
                   has_targets=bool(meta.get("has_targets", False)),

@@ -40,7 +40,7 @@ from kfac_jax_lite import curvature as curvature_lib
 from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import evaluation
 from kfac_jax_lite import linalg
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 from kfac_jax_lite import transform
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
@@ -86,7 +86,7 @@ def fisher_gram(lin, vectors, axis_name=None):
      m_{\\ell,n} (J_n v_i)^T F_R(z_n) (J_n v_j)
 
   over the ``N_ℓ`` kept leading positions of each loss tag ``ℓ`` (its mask
-  ``m``; :func:`~kfac_jax_lite.statistics.output_fisher_gram`). ``J_n v``
+  ``m``; :func:`~kfac_jax_lite.linearization.output_fisher_gram`). ``J_n v``
   comes from the JVP of one linearisation (no new forward pass), one JVP
   per vector.
 
@@ -102,7 +102,7 @@ def fisher_gram(lin, vectors, axis_name=None):
   # (docs/performance.md#one-jvp-per-vector).
   jvs = jax.tree.map(lambda *x: jnp.stack(x),
                      *[lin.output_jvp(v) for v in vectors])
-  gram = statistics.output_fisher_gram(lin, jvs)
+  gram = linearization.output_fisher_gram(lin, jvs)
   if axis_name is not None:
     gram = lax.pmean(gram, axis_name)
   return gram

@@ -3,6 +3,7 @@
 The named problems built from these live in ``tests/problems.py``.
 """
 
+import contextlib
 import importlib.util
 import pathlib
 import sys
@@ -12,10 +13,49 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import kfac_jax_lite as kl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def replica_devices(n):
+  """``n`` devices for a data-parallel test.
+
+  The default backend's first ``n``; where it has fewer (a machine with
+  one GPU), ``n`` of the CPU devices ``tests/conftest.py`` simulates. Skips
+  the test, naming both counts, where neither has ``n``.
+  """
+  devices = jax.devices()
+  if len(devices) >= n:
+    return devices[:n]
+  try:
+    cpus = jax.devices("cpu")
+  except RuntimeError:  # JAX_PLATFORMS without the CPU.
+    cpus = []
+  if len(cpus) < n:
+    pytest.skip(f"needs {n} devices: JAX's default backend "
+                f"({jax.default_backend()}) has {len(devices)}, the CPU "
+                f"{len(cpus)} (tests/conftest.py asks XLA for 4)")
+  return cpus[:n]
+
+
+@contextlib.contextmanager
+def on_replica_devices(n):
+  """Runs the block with :func:`replica_devices` ``(n)`` (yielded).
+
+  Where those are CPU devices beside an accelerator, new arrays, eager ops
+  and ``jit`` go to the first of them too (``jax.default_device``): the
+  one-device reference and the data-parallel run then compute on the same
+  platform, and ``pmap(..., devices=...)`` gets arrays it can take.
+  """
+  devices = replica_devices(n)
+  if devices[0] in jax.devices():
+    yield devices
+  else:
+    with jax.default_device(devices[0]):
+      yield devices
 
 
 def load_example(name):

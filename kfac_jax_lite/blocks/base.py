@@ -53,12 +53,17 @@ class LayerData(NamedTuple):
       ``needs_param_grads`` get ``param_grads`` summed over the *global*
       batch (all replicas) and ``batch_size`` the global batch size; inputs
       and output gradients are always this replica's.
+    row_draw: a ``[]`` float32 uniform draw in ``(0, 1)``, fresh each
+      statistics pass, from which blocks that average over a strided subset
+      of their rows pick the offset (``BlockConfig.stats_position_stride``);
+      None: every row.
   """
   inputs: tuple
   grads: tuple
   params: tuple
   param_grads: tuple
   batch_size: int
+  row_draw: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +76,16 @@ class BlockConfig:
     compute_cholesky_inverse: cache their inverses.
     damping_type: ``"pi"`` (factored Tikhonov with pi-adjustment) or
       ``"exact"`` (``(c A⊗G + λI)^e`` through eigendecompositions).
+    stats_position_stride: ``k``: dense Kronecker factors average every
+      ``k``-th of their rows from an offset drawn from
+      :attr:`LayerData.row_draw` (:func:`.kronecker.strided_rows`); None:
+      ``k`` is chosen per platform when lowering (1 on CPU, 4 elsewhere).
   """
   exps: tuple = (-1,)
   compute_cholesky: bool = False
   compute_cholesky_inverse: bool = False
   damping_type: str = "pi"
+  stats_position_stride: Optional[int] = 1
 
   def __post_init__(self):
     if self.damping_type not in DAMPING_TYPES:

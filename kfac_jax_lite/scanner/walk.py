@@ -12,7 +12,7 @@ import jax
 from jax.extend import core as jex_core
 
 from kfac_jax_lite import collection as collection_lib
-from kfac_jax_lite import losses as losses_lib
+from kfac_jax_lite import custom_losses
 from kfac_jax_lite import tags
 from kfac_jax_lite.scanner.facts import aval
 from kfac_jax_lite.scanner.facts import BATCH
@@ -148,7 +148,7 @@ class Walker:
             f"A loss tag at {key} is inside lax.scan; register the loss on "
             "the stacked outputs after the loop instead.")
       meta = dict(eqn.params["meta"])
-      self.found.losses.append(LossSite(key, losses_lib.make_loss_spec(
+      self.found.losses.append(LossSite(key, custom_losses.make_loss_spec(
           eqn.params["kind"], meta, eqn.invars[0].aval.shape)))
       self.found.loss_facts.append(ins[0])
       return [ins[0]]
