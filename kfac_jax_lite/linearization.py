@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, cast
+from typing import Any, Optional, cast
 import warnings
 
 import jax
@@ -313,7 +313,7 @@ def check_stride(stats_position_stride):
 
 
 def check_options(stats_fraction, stats_min_examples, num_samples,
-                  stats_position_stride=1):
+                  stats_position_stride: Optional[int] = 1):
   """Raises ``ValueError`` for an invalid option of the statistics."""
   check_fraction(stats_fraction)
   check_stride(stats_position_stride)
