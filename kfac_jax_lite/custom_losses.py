@@ -125,10 +125,11 @@ class CustomLossSpec(losses.PositionLoss):
     """
     if self.sampler is None:
       raise ValueError(self._mode_error("gradients"))
+    sampler = self.sampler
     lead, zf, _ = self._flat(jax.lax.stop_gradient(z))
     event = self.shape[len(self.shape) - self._event_ndim:]
     ks = jax.vmap(lambda i: keys.derive(key, i))(jnp.arange(zf.shape[0]))
-    ys = jax.vmap(lambda k, zv: self.sampler(k, zv.reshape(event)))(ks, zf)
+    ys = jax.vmap(lambda k, zv: sampler(k, zv.reshape(event)))(ks, zf)
     return ys.reshape(lead + ys.shape[1:])
 
   def check_mode(self, mode: str, index: int):

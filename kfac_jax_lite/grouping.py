@@ -325,7 +325,7 @@ def dense_block_diagonal(collection, blocks, states):
   return out
 
 
-def _leaf_shapes(collection):
+def _leaf_shapes(collection) -> list:
   if collection.leaf_shapes:  # Includes leaves outside params_filter.
     return list(collection.leaf_shapes)
   shapes = [None] * len(collection.leaf_paths)

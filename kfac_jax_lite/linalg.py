@@ -85,7 +85,9 @@ def solve(a, b):
 
 def factor_dtype():
   """float64 when x64 is enabled, else float32 (whatever the params' dtype)."""
-  return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+  # The flag is set dynamically on jax.config, which has no type for it.
+  x64 = jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]
+  return jnp.float64 if x64 else jnp.float32
 
 
 def symmetrize(m):

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Optional, cast
 import warnings
 
 import jax
@@ -277,7 +277,7 @@ def output_fisher_gram(lin: Linearized, jvs) -> jnp.ndarray:
     fjv = jax.vmap(lambda v, z=z, y=y, spec=spec: spec.multiply_fisher(
         z, v, y))(jv)
     gram = gram + spec.fisher_gram(z, m, jv, fjv)
-  return gram
+  return cast(jnp.ndarray, gram)  # an array: a collection has a loss tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +313,7 @@ def check_stride(stats_position_stride):
 
 
 def check_options(stats_fraction, stats_min_examples, num_samples,
-                  stats_position_stride=1):
+                  stats_position_stride: Optional[int] = 1):
   """Raises ``ValueError`` for an invalid option of the statistics."""
   check_fraction(stats_fraction)
   check_stride(stats_position_stride)

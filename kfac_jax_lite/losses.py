@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable, overload
 
 
 import jax
@@ -81,8 +82,20 @@ class PositionLoss:
   targets); what follows (positions, means, scales, exact-mode columns)
   derives from them.
   """
+  # The subclass's fields and methods that the methods below read,
+  # declared for type checkers (no values: not fields of the subclass).
+  kind: str
+  weight: float
+  targets_in_curvature: bool
+  nll: Callable[..., Any]
+  fisher_factor: Callable[..., Any]
+  ggn_factor: Callable[..., Any]
 
   # ---- positions --------------------------------------------------------
+  @overload
+  def keep(self, z, mask: None) -> None: ...
+  @overload
+  def keep(self, z, mask: Any) -> jax.Array: ...
   def keep(self, z, mask):
     """The mask as booleans of z's leading shape (None without a mask)."""
     if mask is None:
@@ -382,7 +395,7 @@ def make_spec(kind: str, meta: dict, shape) -> LossSpec:
                   has_mask=bool(meta.get("has_mask", False)))
 
 
-def total_loss(specs, zs, targets, masks=None) -> jnp.ndarray:
+def total_loss(specs, zs, targets, masks=None) -> jnp.ndarray | float:
   """``Σ_l weight_l · mean_nll_l``: the registered losses (tests/examples).
 
   Each term is the mean over that tag's (unmasked) positions.

@@ -29,7 +29,7 @@ compiled program.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, cast
 
 import jax
 from jax import lax
@@ -283,7 +283,10 @@ def kfac_optimizer(collection: LayerCollection, *,
   def init_fn(params):
     z = lambda: jnp.zeros((), dt)  # noqa: E731  (distinct, donatable)
     return KFACOptimizerState(
-        curvature=curvature(initial_damping).init(params),
+        # update_curvature's state is a CurvatureState (optax types it
+        # as any pytree).
+        curvature=cast(curvature_lib.CurvatureState,
+                       curvature(initial_damping).init(params)),
         velocity=jax.tree.map(jnp.zeros_like, params),
         damping=jnp.asarray(max(initial_damping, floor), dt),
         learning_rate=z(), momentum=z(), qmodel_change=z(), rho=z(),
@@ -300,6 +303,9 @@ def kfac_optimizer(collection: LayerCollection, *,
     head = est.linearize_head(params, batch, lin)
     _, cstate = curvature(lam).update((grads, fixed), state.curvature,
                                       params, stats=stats, linearized=head)
+    # update_curvature's state is a CurvatureState (optax types it as any
+    # pytree).
+    cstate = cast(curvature_lib.CurvatureState, cstate)
     finite = cstate.last_finite
     # P = F̂⁻¹ g, and Δ = -P enters through signs only: the Grams and c of
     # (Δ, δ) are those of (P, δ) with the cross terms and gᵀΔ negated, and
@@ -359,9 +365,10 @@ def kfac_optimizer(collection: LayerCollection, *,
     return updates, rest._replace(curvature=cstate, velocity=velocity,
                                   num_skipped=new_state.num_skipped)
 
-  def guarded_update_fn(grads, state, params=None, *, batch=None, stats=None,
-                        **extra_args):
+  def guarded_update_fn(updates, state, params=None, *, batch=None,
+                        stats=None, **extra_args):
     del extra_args
+    grads = updates  # optax's name for the first argument; None is allowed
     transform.check_state(state, KFACOptimizerState._fields,
                           "kfac_optimizer")
     if params is None or batch is None:

@@ -133,7 +133,7 @@ def bucketed_map(fn, mats, dampings, padded_sizes=None) -> list:
   return out
 
 
-def _bucketable(block, state) -> bool:
+def _bucketable(block: blocks_lib.Block, state) -> bool:
   """A block whose ``"pi"`` refresh has dense factors to bucket."""
   return (isinstance(block, blocks_lib.base.FactorBucketed)
           and block.config.damping_type == "pi"

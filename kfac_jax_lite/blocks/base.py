@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
+from typing import (Any, Callable, NamedTuple, Optional, Protocol,
+                    runtime_checkable)
 
 import jax.numpy as jnp
 import numpy as np
@@ -142,7 +143,7 @@ def check_cached(block, flag: str, what: str):
         "estimator (the factors are computed in update_cache).")
 
 
-def ema_update(state, factors: dict, stats: dict, decay):
+def ema_update(state, factors: tuple, stats: dict, decay):
   """EMA of the named factor fields; non-finite stats leave state as is."""
   finite = trees.all_finite(stats)
   old = {k: getattr(state, k) for k in factors}
@@ -267,12 +268,15 @@ class Block(Protocol):
 
   def multiply_matpower(self, state, v: tuple, exp) -> tuple:
     """``(F + damping)^exp v`` (exp 1: the live factors)."""
+    ...
 
   def multiply(self, state, v: tuple) -> tuple:
     """``multiply_matpower(state, v, 1)``."""
+    ...
 
   def multiply_inverse(self, state, v: tuple) -> tuple:
     """``multiply_matpower(state, v, -1)``."""
+    ...
 
   def full_fisher_block(self, state) -> Any:
     """The undamped dense block, in ravel order of the layer's params."""
@@ -304,12 +308,15 @@ class FactorBucketed(Protocol):
 
   def factor_requests(self, state) -> tuple:
     """``((name, matrix), ...)``: the dense factors to refresh."""
+    ...
 
   def factor_dampings(self, state, damping, trace_norms: dict) -> dict:
     """``{name: d}``: each factor's share of the damping."""
+    ...
 
   def factor_cache(self, f, d) -> dict:
     """One factor's cache entries, a function of ``f`` and ``d`` only."""
+    ...
 
   def with_factor_caches(self, state, damping, caches: dict,
                          dampings: Optional[dict] = None) -> Any:
@@ -330,6 +337,7 @@ class FusedProduct(Protocol):
 
   def finish_product(self, raw, like: tuple) -> tuple:
     """The layer's parameter tuple from the raw product."""
+    ...
 
 
 # ---------------------------------------------------------------------------
@@ -339,6 +347,7 @@ class FusedProduct(Protocol):
 
 class Shorthands:
   """``multiply`` and ``multiply_inverse`` from ``multiply_matpower``."""
+  multiply_matpower: Callable[..., tuple]  # the block's own
 
   def multiply(self, state, v):
     return self.multiply_matpower(state, v, 1)
@@ -351,6 +360,7 @@ class UnfusedProducts:
   """The :class:`FusedProduct` methods of a block whose product needs no
   cut: the input is ``v`` and the raw product is the finished one. Every
   block has the three methods for callers that treat all blocks alike."""
+  multiply_matpower: Callable[..., tuple]  # the block's own
 
   def product_input(self, v: tuple) -> Any:
     return v

@@ -345,7 +345,7 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
   :class:`~.base.CholeskyProducts`, :class:`~.base.FactorBucketed` and
   :class:`~.base.FusedProduct` (its product is the ``[d_a, d_g]`` matrix).
   """
-  layer: Layer
+  layer: Optional[Layer]  # None for a part of another block
   config: base.BlockConfig
   layout: Any
   a_diagonal: bool = False

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax.numpy as jnp
 
@@ -55,6 +55,9 @@ def site_rows(x, batch_axes: int, d: int):
 class FromSource:
   """What a block fed by a per-example ``source`` over ``param_shapes``
   derives from them (diagonal and full blocks)."""
+  # Declared for type checkers: the subclass's fields.
+  source: Any
+  param_shapes: tuple
 
   @property
   def num_params(self) -> int:

@@ -93,7 +93,8 @@ def _tag_layers(sites, leaf_paths):
       raise ValueError(
           f"Parameters {names} are tagged both inside a lax.scan that "
           "slices them (a stacked layer) and as whole arrays; use one form.")
-    approxes = {dict(s.meta).get("approx") for s in gsites} - {None}
+    approxes = {a for s in gsites
+                if (a := dict(s.meta).get("approx")) is not None}
     if len(approxes) > 1:
       raise ValueError(
           f"Parameters {names} are tagged with conflicting approx values "

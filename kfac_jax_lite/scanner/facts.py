@@ -185,7 +185,7 @@ class Site:
 @dataclasses.dataclass(frozen=True)
 class LossSite:
   key: str
-  spec: losses_lib.LossSpec
+  spec: losses_lib.PositionLoss  # a LossSpec or a CustomLossSpec
 
 
 @dataclasses.dataclass
@@ -318,6 +318,7 @@ def chain_input(read, factors, shape, dtype):
     f = jnp.asarray(read(v))
     f = 1.0 / f if op == "div" else f
     x = f if x is None else x * f
+  assert x is not None  # a scale chain has at least one factor
   return jnp.broadcast_to(x, shape).astype(dtype)
 
 

@@ -80,7 +80,9 @@ class _Interpreter:
         outs = _bind(eqn, invals)
         eps = self.sites[key].perturbation(self.eps[slot])
         outs[0] = outs[0] + eps.astype(outs[0].dtype)
-        self.layer_records[slot] = self.sites[key].record(read)
+        record = self.sites[key].record
+        assert record is not None  # an automatic site (tags are above)
+        self.layer_records[slot] = record(read)
       elif not self._under(f"{key}/"):
         outs = _bind(eqn, invals)
       elif name in INLINE:

@@ -347,7 +347,7 @@ class Matcher:
   def _mul(self):
     (a, b), (pa, pb) = self.eqn.invars, self.ins
     y_shape = tuple(self.eqn.outvars[0].aval.shape)
-    for (u, pu), (v, pv) in (((a, pa), (b, pb)), ((b, pb), (a, pa))):
+    for (u, _pu), (v, pv) in (((a, pa), (b, pb)), ((b, pb), (a, pa))):
       d = self.lv.sole_draft(u)
       if (d is not None and d.factors is not None and not pv.is_view
           and tail(y_shape, len(d.feat)) == d.feat):

@@ -390,7 +390,7 @@ def find_sites(loss_fn, params, batch, has_aux=False, leaf_paths=None,
       leaf_shapes=tuple(tuple(getattr(x, "shape", ())) for x in leaves),
       auto=auto_register)
   in_provs = []
-  for i, x in enumerate(leaves):
+  for i, _x in enumerate(leaves):
     if trainable and not trainable[i]:
       in_provs.append(NONE)
     else:
