@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import numpy as np
-import optax
 import pytest
 
 import kfac_jax_lite as kl

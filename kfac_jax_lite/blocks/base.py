@@ -209,11 +209,12 @@ def mat_to_kernel(m, perm, shape: tuple):
       len(lead) + i for i in inv))
 
 
-def kernel_ravel_index(perm, shape: tuple, d_in: int, d_out: int):
+def kernel_ravel_index(perm, shape: Optional[tuple], d_in: int, d_out: int):
   """Where each entry of the ``[d_in, d_out]`` matrix sits in the leaf's
   ravel order (None when the orders agree)."""
   if perm is None:
     return None
+  assert shape is not None  # a permuted kernel always records its shape
   idx = np.arange(int(math.prod(shape))).reshape(shape)
   return np.transpose(idx, perm).reshape(d_in, d_out)
 

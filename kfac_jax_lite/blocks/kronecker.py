@@ -212,6 +212,7 @@ class DenseLayout:
   def from_mat(self, m, like: tuple) -> tuple:
     w, *b = base.split_bias_row(m, self.d_in, self.has_bias)
     if self.kernel_perm is not None:
+      assert self.kernel_shape is not None  # recorded with kernel_perm
       w = base.mat_to_kernel(w, self.kernel_perm, self.kernel_shape)
     return base.vector_dtype_cast((w, *b), like)
 

@@ -105,6 +105,7 @@ class DenseGrads:
     """``[..., d_in, d_out]`` matrices as kernels of the leaf's layout."""
     if self.kernel_perm is None:
       return m
+    assert self.kernel_shape is not None  # recorded with kernel_perm
     return base.mat_to_kernel(m, self.kernel_perm, self.kernel_shape)
 
   def _rows(self, data):

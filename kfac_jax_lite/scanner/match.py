@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -186,7 +187,8 @@ class Matcher:
       # a tied embedding if the table is also looked up (facts.retype_sites).
       kind, meta = "tied_embedding", tags.layer_meta(approx=None)
     else:
-      extra = {} if perm == tuple(range(nw)) else {"kernel_perm": perm}
+      extra: dict[str, Any] = ({} if perm == tuple(range(nw))
+                               else {"kernel_perm": perm})
       if (nw, len(wc)) != (2, 1):
         extra["kernel_in_axes"] = len(wc)
       kind, meta = "fully_connected", tags.layer_meta(approx=None, **extra)
@@ -246,10 +248,11 @@ class Matcher:
       at = len(in_shape) - m if d.feat_at is None else d.feat_at
       where = dict(zip(big_in, big_out))
       pos = [where.get(a) for a in range(at, at + m)]
-      if None in pos or pos != list(range(pos[0], pos[0] + m)):
+      first = pos[0]
+      if first is None or pos != list(range(first, first + m)):
         feat = None
       else:
-        feat_at = pos[0]
+        feat_at = first
     perm = d.perm or tuple(range(len(canon)))
     return self._move(d, feat=feat, **self._layout(canon, perm, feat_at))
 
