@@ -45,7 +45,12 @@ def _imports(path: pathlib.Path) -> dict:
   """``{imported package module: [(line, how)]}`` for the module at
   ``path``; ``how`` is ``"top"``, ``"nested"`` or ``"dynamic"``."""
   tree = ast.parse(path.read_text())
+  # A module's top level, and the body of a top-level `if TYPE_CHECKING:`
+  # (imports for annotations only, still held to the floors below).
   top = {id(n) for n in tree.body}
+  for n in tree.body:
+    if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING":
+      top |= {id(m) for m in n.body}
   found = {}
 
   def add(name, node, how):
