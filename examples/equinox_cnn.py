@@ -1,30 +1,38 @@
-"""An untagged Equinox CNN on MNIST, trained with K-FAC and with Adam.
+"""An untagged Equinox convolutional autoencoder on MNIST: K-FAC and Adam.
 
 The model is plain Equinox, written for one example and batched with
-``jax.vmap``: ``eqx.nn.Conv2d`` -> ``eqx.nn.Conv2d`` -> ``eqx.nn.LayerNorm``
--> ``eqx.nn.MLP``. No layer is tagged: :func:`kfac_jax_lite.scan` finds the
-convolutions (with their ``[c_out, 1, 1]`` biases), the layer norm's scale
-and shift and the MLP's ``Linear`` layers (``weight @ x`` with ``[d_out,
-d_in]`` weights) by itself; only the loss is tagged. The training loop is
-Equinox's own: ``eqx.partition`` splits the parameters from the static
-parts, ``eqx.filter_jit`` compiles the step and ``eqx.apply_updates``
-applies K-FAC's updates.
+``jax.vmap``: two strided ``eqx.nn.Conv2d`` (the encoder), a linear
+32-unit ``eqx.nn.Linear`` bottleneck, then ``Linear -> tanh -> Linear`` to
+the 784 pixel logits (the decoder). The loss is the sigmoid cross-entropy
+of the reconstruction, summed over the pixels and averaged over the batch.
+No layer is tagged: :func:`kfac_jax_lite.scan` finds the convolutions
+(with their ``[c_out, 1, 1]`` biases) and the ``Linear`` layers (``weight
+@ x`` with ``[d_out, d_in]`` weights) by itself; only the loss is tagged,
+as independent Bernoullis. The training loop is Equinox's own:
+``eqx.partition`` splits the parameters from the static parts,
+``eqx.filter_jit`` compiles the step and ``eqx.apply_updates`` applies the
+updates.
 
 Both optimizers see the same batches and run the same step:
 ``eqx.filter_value_and_grad`` for the loss and the gradient, then
 ``tx.update(grads, state, params, batch=batch)``. K-FAC is
-:func:`kfac_jax_lite.kfac`, which computes its curvature statistics from
-``batch`` every ``--kfac-cov-period`` steps and refreshes its inverses
-every ``--kfac-inverse-period`` steps. Both run ``--steps`` steps. Times
-are wall-clock from the first call, so compilation is included (a second
-run loads the compiled steps from the persistent compilation cache). The
-report says when K-FAC reached Adam's final loss (steps and seconds),
-prints both losses at equal steps and at equal seconds and writes a PNG.
-Measured results: docs/guides/equinox.md.
+:func:`kfac_jax_lite.kfac_optimizer` (damping, learning rate and momentum
+adapted from the quadratic model), whose curvature side (statistics and
+Fisher-vector products) runs on ``--kfac-stats-fraction`` of each batch
+(a :class:`kfac_jax_lite.FisherEstimator` with that ``stats_fraction``),
+and whose inverses are refreshed every ``--kfac-inverse-period`` steps.
+Adam is ``optax.adam(--adam-lr)``; Adam ignores ``batch=``
+(``optax.with_extra_args_support``). Both run ``--steps`` steps, K-FAC
+first. Times are wall-clock from the first call, so compilation is
+included (a second run loads the compiled steps from the persistent
+compilation cache). The report says when K-FAC reached Adam's final loss
+(steps and seconds), prints both losses at equal steps and at equal
+seconds, the test-set loss of each, and writes a PNG. Measured results:
+docs/guides/equinox.md.
 
 Run::
 
-  python examples/equinox_cnn.py                  # 20-40 s on 2 CPUs
+  python examples/equinox_cnn.py                  # about 1 minute, 2 CPUs
   python examples/equinox_cnn.py --steps 5 --plot ""   # a smoke run
 """
 
@@ -162,9 +170,9 @@ def objective(model, batch):
 def make_step(tx) -> Callable:
   """``step(model, state, batch) -> (model, state, loss)``: Equinox's loop.
 
-  The same for both optimizers: K-FAC takes ``batch=`` and computes its
-  statistics from it on the steps they are due (``cov_update_period``);
-  Adam ignores it (``optax.with_extra_args_support``).
+  The same for both optimizers: K-FAC takes ``batch=`` (its statistics,
+  Fisher-vector products and damping rule use it); Adam ignores it
+  (``optax.with_extra_args_support``).
   """
   @eqx.filter_jit
   def step(model, state, batch):
@@ -273,8 +281,9 @@ def plot(runs: dict, path: str, window: int, title: str) -> None:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   """Parses and checks the command-line flags (see ``--help``)."""
   p = argparse.ArgumentParser(
-      description="Train an untagged Equinox CNN on MNIST with K-FAC and "
-      "with Adam on the same batches; compare at equal steps and seconds.",
+      description="Train an untagged Equinox convolutional autoencoder on "
+      "MNIST with K-FAC and with Adam on the same batches; compare at "
+      "equal steps and seconds.",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--data", default=DEFAULT_DATA, help="path to mnist.npz")
   p.add_argument("--steps", type=int, default=400,

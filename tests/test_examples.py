@@ -87,9 +87,9 @@ def test_equinox_cnn_runs(mnist, tmp_path, capsys):
   ex = _load_example("equinox_cnn")
   png = tmp_path / "eqx.png"
   results = ex.main(["--steps", "3", "--batch-size", "16", "--channels",
-                     "2", "--code", "4", "--hidden", "8", "--eval-examples", "64",
-                     "--window", "2", "--log-every", "1", "--plot",
-                     str(png), *mnist])
+                     "2", "--code", "4", "--hidden", "8",
+                     "--eval-examples", "64", "--window", "2",
+                     "--log-every", "1", "--plot", str(png), *mnist])
   k, a = results["kfac"], results["adam"]
   for run in (k, a):
     assert len(run["losses"]) == len(run["times"]) == 3
