@@ -20,7 +20,8 @@ Both optimizers see the same batches and run the same step:
 adapted from the quadratic model), whose curvature side (statistics and
 Fisher-vector products) runs on ``--kfac-stats-fraction`` of each batch
 (a :class:`kfac_jax_lite.FisherEstimator` with that ``stats_fraction``),
-and whose inverses are refreshed every ``--kfac-inverse-period`` steps.
+whose damping stays above ``--kfac-min-damping``, and whose inverses are
+refreshed every ``--kfac-inverse-period`` steps.
 Adam is ``optax.adam(--adam-lr)``; Adam ignores ``batch=``
 (``optax.with_extra_args_support``). Both run ``--steps`` steps, K-FAC
 first. Times are wall-clock from the first call, so compilation is
@@ -297,6 +298,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="width of the decoder's hidden layer")
   p.add_argument("--kfac-damping", type=float, default=10.0,
                  help="kfac_optimizer's initial damping")
+  p.add_argument("--kfac-min-damping", type=float, default=0.1,
+                 help="floor of the adapted damping (lower lets a step "
+                 "blow up late in the run)")
   p.add_argument("--kfac-stats-fraction", type=float, default=0.125,
                  help="fraction of each batch the curvature side uses "
                  "(at least 64 examples)")
@@ -360,6 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       collection, stats_fraction=args.kfac_stats_fraction)
   kfac_tx = kfac_jax_lite.kfac_optimizer(
       collection, initial_damping=args.kfac_damping,
+      min_damping=args.kfac_min_damping,
       inverse_update_period=args.kfac_inverse_period, estimator=estimator)
   adam_tx = optax.with_extra_args_support(optax.adam(args.adam_lr))
   runs = {}
