@@ -87,16 +87,16 @@ def test_equinox_cnn_runs(mnist, tmp_path, capsys):
   ex = _load_example("equinox_cnn")
   png = tmp_path / "eqx.png"
   results = ex.main(["--steps", "3", "--batch-size", "16", "--channels",
-                     "2", "--hidden", "8", "--eval-examples", "64",
-                     "--window", "2", "--log-every", "1", "--plot",
-                     str(png), *mnist])
+                     "2", "--code", "4", "--hidden", "8",
+                     "--eval-examples", "64", "--window", "2",
+                     "--log-every", "1", "--plot", str(png), *mnist])
   k, a = results["kfac"], results["adam"]
   for run in (k, a):
     assert len(run["losses"]) == len(run["times"]) == 3
     assert _finite(run["losses"]) and run["first_call_s"] > 0
   # Untagged: every Equinox layer recognised, none generic.
   assert [kind for _, kind, _ in results["layers"]] == [
-      "conv", "conv", "scale_and_shift", "fully_connected",
+      "conv", "conv", "fully_connected", "fully_connected",
       "fully_connected"]
   assert png.stat().st_size > 0
   assert "K-FAC reached it" in capsys.readouterr().out
