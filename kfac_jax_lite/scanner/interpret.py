@@ -115,8 +115,7 @@ class _Interpreter:
     def make(k):
       def branch(ops, eps):
         child = self._child(eps)
-        outs = child.run(*branches[k], ops,
-                         f"{key}/branch{k}/")
+        outs = child.run(*branches[k], ops, f"{key}/branch{k}/")
         recs = {s.key: child.layer_records.get(
             s.key, tuple(_zeros(a) for a in s.input_avals))
                 for s in inner if s.key in eps}
