@@ -2,17 +2,17 @@
 
 ``<!-- generated: NAME -->`` in a page is replaced by ``TABLES[NAME]()``,
 so the reference tables are built from the registries the package itself
-uses (``kinds.py``, ``statistics.py``) and cannot drift from them.
+uses (``kinds.py``, ``linearization.py``) and cannot drift from them.
 ``tests/test_docs.py`` imports this module to check the tables too.
 """
 
 import re
 
 from kfac_jax_lite import kinds
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 from kfac_jax_lite import tags
 
-# One line per estimation mode. A mode added to statistics.MODES without a
+# One line per estimation mode. A mode added to linearization.MODES without a
 # line here fails the docs build (and tests/test_docs.py).
 MODE_NOTES = {
     "gradients": (
@@ -50,13 +50,13 @@ KIND_TAGS = {
 
 def modes_table() -> str:
   """The estimation modes, their kfac-jax names and what they sample."""
-  aliases = {v: k for k, v in statistics.MODE_ALIASES.items()}
-  missing = set(statistics.MODES) - set(MODE_NOTES)
+  aliases = {v: k for k, v in linearization.MODE_ALIASES.items()}
+  missing = set(linearization.MODES) - set(MODE_NOTES)
   if missing:
     raise ValueError(f"docs/hooks.py: MODE_NOTES lacks {sorted(missing)}.")
   lines = ["| mode | kfac-jax name | output gradients from | notes |",
            "|---|---|---|---|"]
-  for m in statistics.MODES:
+  for m in linearization.MODES:
     source, note = MODE_NOTES[m]
     alias = f"`{aliases[m]}`" if m in aliases else ""
     lines.append(f"| `{m}` | {alias} | {source} | {note} |")

@@ -3,10 +3,14 @@
 Model: token embedding plus learned positions, ``--layers`` pre-LayerNorm
 blocks of causal multi-head self-attention and a GELU MLP (width 4·D), a
 final LayerNorm and a dense head over the 65 characters. At the defaults
-(``D=128``, ``T=64``, 4 blocks, 4 heads) it has 0.82M parameters. The
-model is plain ``nnx.Linear`` / ``nnx.Embed`` / ``nnx.LayerNorm`` with no
-layer tags: :func:`kfac_jax_lite.scan` recognises the dense layers, the
-token embedding and the LayerNorms by itself and prints what it found.
+(``D=128``, ``T=64``, 4 blocks, 4 heads) it has 0.82M parameters.
+``--dropout p`` adds dropout where nanoGPT has it (the embeddings' sum,
+the attention weights, the outputs of the attention projection and of the
+MLP) in training only, each sequence's masks drawn from a seed that comes
+with its batch. The model is plain ``nnx.Linear`` / ``nnx.Embed`` /
+``nnx.LayerNorm`` with no layer tags: :func:`kfac_jax_lite.scan`
+recognises the dense layers, the token embedding and the LayerNorms by
+itself and prints what it found.
 
 Loss: the mean over the ``B·T`` positions of the next-character
 cross-entropy. The ``[B, T, V]`` logits are registered as a categorical
@@ -66,6 +70,25 @@ import kfac_jax_lite
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                             "data", "tinyshakespeare.txt")
 
+# Where JAX keeps compiled programs across runs (XDG cache directory).
+DEFAULT_COMPILATION_CACHE = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"),
+    "kfac_jax_lite", "jax")
+
+
+def use_compilation_cache(path: Optional[str]) -> None:
+  """Turns on JAX's persistent compilation cache in ``path`` (None: off).
+
+  A second run of the script loads its compiled steps from there instead
+  of compiling them again (docs/performance.md, *Paying the compile
+  once*). Every program is kept, however short its compile
+  (``jax_persistent_cache_min_compile_time_secs`` 0). Call it before the
+  first computation.
+  """
+  if path:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
 
 # ---------------------------------------------------------------- data ----
 
@@ -92,11 +115,15 @@ def windows(ids: np.ndarray, starts: np.ndarray, context: int) -> dict:
 
 
 def train_batch(ids: np.ndarray, step: int, batch_size: int, context: int,
-                seed: int) -> dict:
-  """The random training windows of step ``step`` (the same for every run)."""
+                seed: int, dropout_seeds: bool = False) -> dict:
+  """The random training windows of step ``step`` (the same for every run);
+  with ``dropout_seeds`` also ``"seed"``, one dropout seed per window."""
   rng = np.random.default_rng((seed, step))
-  return windows(ids, rng.integers(0, len(ids) - context - 1, batch_size),
-                 context)
+  batch = windows(ids, rng.integers(0, len(ids) - context - 1, batch_size),
+                  context)
+  if dropout_seeds:
+    batch["seed"] = rng.integers(0, 2**31 - 1, batch_size, dtype=np.int32)
+  return batch
 
 
 def valid_batches(ids: np.ndarray, count: int, batch_size: int,
@@ -110,11 +137,34 @@ def valid_batches(ids: np.ndarray, count: int, batch_size: int,
 # --------------------------------------------------------------- model ----
 
 
-class Block(nnx.Module):
-  """Pre-LayerNorm transformer block: causal attention, then a GELU MLP."""
+def dropout(x, rate: float, keys, site: int):
+  """``x`` with each entry zeroed with probability ``rate`` and the others
+  scaled by ``1/(1-rate)`` (inverted dropout); ``x`` itself when ``keys``
+  is None or ``rate`` is 0.
 
-  def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs):
-    self.heads = heads
+  ``keys``: one PRNG key per sequence, ``[B, 2]`` (``x``'s leading axis is
+  the batch); ``site`` numbers the dropout layer, folded into each key. A
+  sequence's masks depend on its own key only, so a pass over the first
+  rows of a batch (K-FAC's statistics) drops what the full pass dropped.
+  """
+  if keys is None or not rate:
+    return x
+  keep = jax.vmap(lambda k: jax.random.bernoulli(
+      jax.random.fold_in(k, site), 1.0 - rate, x.shape[1:]))(keys)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+class Block(nnx.Module):
+  """Pre-LayerNorm transformer block: causal attention, then a GELU MLP.
+
+  With ``rate > 0`` and per-sequence ``keys``, dropout (nanoGPT's places)
+  on the attention weights, the attention's output projection and the
+  MLP's output; ``site`` is the first of the three dropout sites it uses.
+  """
+
+  def __init__(self, width: int, heads: int, *, rate: float = 0.0,
+               rngs: nnx.Rngs):
+    self.heads, self.rate = heads, rate
     self.ln1 = nnx.LayerNorm(width, rngs=rngs)
     self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
     self.proj = nnx.Linear(width, width, rngs=rngs)
@@ -122,7 +172,7 @@ class Block(nnx.Module):
     self.fc = nnx.Linear(width, 4 * width, rngs=rngs)
     self.out = nnx.Linear(4 * width, width, rngs=rngs)
 
-  def __call__(self, x):
+  def __call__(self, x, keys=None, site: int = 0):
     b, t, d = x.shape
     q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
     q, k, v = (z.reshape(b, t, self.heads, d // self.heads)
@@ -130,37 +180,54 @@ class Block(nnx.Module):
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d // self.heads)
     causal = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v)
-    x = x + self.proj(y.reshape(b, t, d))
-    return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+    weights = dropout(jax.nn.softmax(scores, axis=-1), self.rate, keys, site)
+    y = jnp.einsum("bhts,bshd->bthd", weights, v)
+    x = x + dropout(self.proj(y.reshape(b, t, d)), self.rate, keys, site + 1)
+    return x + dropout(self.out(jax.nn.gelu(self.fc(self.ln2(x)))),
+                       self.rate, keys, site + 2)
 
 
 class GPT(nnx.Module):
-  """Token and position embeddings, blocks, final LayerNorm, dense head."""
+  """Token and position embeddings, blocks, final LayerNorm, dense head.
+
+  ``dropout``: the rate on the embeddings' sum and in every block (off by
+  default); it applies only when the call gets per-sequence ``keys``.
+  """
 
   def __init__(self, vocab: int, context: int, width: int, layers: int,
-               heads: int, *, rngs: nnx.Rngs):
+               heads: int, *, dropout: float = 0.0, rngs: nnx.Rngs):
     if width % heads:
       raise ValueError(f"--width {width} must be a multiple of --heads "
                        f"{heads}.")
+    if not 0.0 <= dropout < 1.0:
+      raise ValueError(f"--dropout {dropout} must be in [0, 1).")
+    self.rate = dropout
     self.tok = nnx.Embed(vocab, width, rngs=rngs)
     self.pos = nnx.Embed(context, width, rngs=rngs)
-    self.blocks = nnx.List([Block(width, heads, rngs=rngs)
+    self.blocks = nnx.List([Block(width, heads, rate=dropout, rngs=rngs)
                             for _ in range(layers)])
     self.ln = nnx.LayerNorm(width, rngs=rngs)
     self.head = nnx.Linear(width, vocab, rngs=rngs)
 
-  def __call__(self, ids):
+  def __call__(self, ids, keys=None):
     x = self.tok(ids) + self.pos(jnp.arange(ids.shape[1]))[None]
-    for block in self.blocks:
-      x = block(x)
+    x = dropout(x, self.rate, keys, 0)
+    for i, block in enumerate(self.blocks):
+      x = block(x, keys, 1 + 3 * i)
     return self.head(self.ln(x))
 
 
 def make_loss_fn(graphdef) -> Callable:
-  """``loss_fn(params, batch)``: mean next-character cross-entropy."""
+  """``loss_fn(params, batch)``: mean next-character cross-entropy.
+
+  A batch with ``"seed"`` (one int per sequence) trains with the model's
+  dropout, each sequence's masks drawn from its own seed; without it
+  (evaluation, sampling) the model runs without dropout.
+  """
   def loss_fn(params, batch):
-    logits = nnx.merge(graphdef, params)(batch["x"])
+    keys = (jax.vmap(jax.random.PRNGKey)(batch["seed"]) if "seed" in batch
+            else None)
+    logits = nnx.merge(graphdef, params)(batch["x"], keys)
     logits = kfac_jax_lite.register_categorical_predictive_distribution(
         logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(
@@ -221,9 +288,10 @@ def make_step(loss_fn: Callable, tx, fraction: Optional[float] = None
   return step
 
 
-def _runner(step: Callable, tx, params):
-  """``(state, run)`` with ``run(params, state, batch, count)``, jitted."""
-  step = jax.jit(step)
+def make_runner(loss_fn: Callable, tx, fraction: Optional[float], params):
+  """``(state, run)`` with ``run(params, state, batch, count)``, jitted:
+  :func:`make_step` of ``tx`` with ``fraction`` (None: no ``batch=``)."""
+  step = jax.jit(make_step(loss_fn, tx, fraction))
 
   def run(params, state, batch, count):
     del count
@@ -234,7 +302,7 @@ def _runner(step: Callable, tx, params):
 def make_kfac_runner(loss_fn: Callable, tx, fraction: float, params):
   """``(state, step)`` with ``step(params, state, batch, count)``, jitted:
   :func:`make_step` with ``fraction``."""
-  return _runner(make_step(loss_fn, tx, fraction), tx, params)
+  return make_runner(loss_fn, tx, fraction, params)
 
 
 def adamw_transform(lr: float) -> optax.GradientTransformation:
@@ -244,8 +312,7 @@ def adamw_transform(lr: float) -> optax.GradientTransformation:
 
 def make_adamw_runner(loss_fn: Callable, lr: float, params):
   """``(state, step)`` for :func:`adamw_transform`, jitted."""
-  tx = adamw_transform(lr)
-  return _runner(make_step(loss_fn, tx), tx, params)
+  return make_runner(loss_fn, adamw_transform(lr), None, params)
 
 
 def make_eval_fn(loss_fn: Callable, batches: list) -> Callable:
@@ -384,6 +451,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--width", type=int, default=128, help="D")
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--dropout", type=float, default=0.0,
+                 help="dropout rate in training (nanoGPT's places; "
+                 "never at evaluation)")
   p.add_argument("--adam-lr", type=float, default=3e-3)
   p.add_argument("--kfac-lr", type=float, default=2e-3,
                  help="kfac_adamw's rate (best of 1e-3, 1.5e-3, 2e-3 and "
@@ -412,11 +482,21 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--sample-length", type=int, default=200)
   p.add_argument("--plot", default="char_gpt.png", help="PNG path ('' off)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--compilation-cache",
+                 default=DEFAULT_COMPILATION_CACHE if argv is None else None,
+                 help="JAX's persistent compilation cache directory: a "
+                 "second run loads its compiled steps from it (on by "
+                 "default from the command line; off for main(argv))")
+  p.add_argument("--no-compilation-cache", dest="compilation_cache",
+                 action="store_const", const=None,
+                 help="compile everything afresh, keep nothing")
   args = p.parse_args(argv)
   for name in ("steps", "batch_size", "context", "width", "layers", "heads",
                "eval_every", "eval_batches"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
+  if not 0.0 <= args.dropout < 1.0:
+    p.error(f"--dropout must be in [0, 1); got {args.dropout}")
   if any("=" not in a for a in args.approx):
     p.error(f"--approx takes KEY=APPROX; got {args.approx}")
   args.approx = dict(a.split("=", 1) for a in args.approx)
@@ -427,12 +507,14 @@ def setup(args: argparse.Namespace):
   """Data, model factory, loss and the scanned collection."""
   train_ids, valid_ids, chars = load_text(args.data)
   new_model = lambda: GPT(len(chars), args.context, args.width,  # noqa: E731
-                          args.layers, args.heads, rngs=nnx.Rngs(args.seed))
+                          args.layers, args.heads, dropout=args.dropout,
+                          rngs=nnx.Rngs(args.seed))
   graphdef, _ = nnx.split(new_model(), nnx.Param)
   loss_fn = make_loss_fn(graphdef)
   params = nnx.as_pure(nnx.state(new_model(), nnx.Param))
   batch_fn = lambda k: train_batch(train_ids, k, args.batch_size,  # noqa
-                                   args.context, args.seed)
+                                   args.context, args.seed,
+                                   dropout_seeds=args.dropout > 0)
   collection = kfac_jax_lite.scan(loss_fn, params, batch_fn(0),
                                   approximations=args.approx or None)
   eval_fn = make_eval_fn(loss_fn, valid_batches(
@@ -445,6 +527,7 @@ def setup(args: argparse.Namespace):
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Races K-FAC against AdamW; returns ``{"kfac": Run, "adamw": Run}``."""
   args = parse_args(argv)
+  use_compilation_cache(args.compilation_cache)
   s = setup(args)
   print(s["collection"].describe())
   n = sum(x.size for x in jax.tree.leaves(s["params"]))
@@ -494,4 +577,4 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main()

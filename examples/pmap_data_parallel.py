@@ -23,6 +23,10 @@ Run::
 
   python examples/pmap_data_parallel.py                 # 4 simulated CPU devices
   python examples/pmap_data_parallel.py --devices 2 --steps 200
+
+The devices are the default backend's where it has ``--devices`` of them,
+else the CPU's (on a machine with one GPU, the simulated CPU devices);
+``--platform`` picks the platform. The first line printed names it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,29 @@ import kfac_jax_lite as kl  # noqa: E402
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                             "data", "mnist.npz")
 AXIS = "data"
+
+
+def select_devices(n: int, platform: Optional[str] = None) -> list:
+  """The first ``n`` devices of ``platform`` (``"cpu"``, ``"gpu"``, ...).
+
+  By default those of JAX's default backend, or, where it has fewer than
+  ``n`` (a machine with one GPU), of the CPU (simulated devices, requested
+  before jax is imported). Raises ``ValueError`` naming both counts where
+  neither has ``n``.
+  """
+  default = jax.devices()
+  if platform is None and len(default) >= n:
+    return default[:n]
+  devices = jax.devices(platform or "cpu")
+  if len(devices) < n:
+    also = ("" if devices[0].platform == default[0].platform else
+            f" (the default backend, {default[0].platform}, has "
+            f"{len(default)})")
+    raise ValueError(
+        f"--devices {n} > the {len(devices)} {devices[0].platform} devices "
+        f"jax sees{also}: set XLA_FLAGS=--xla_force_host_platform_device"
+        f"_count={n} before starting Python for {n} CPU devices.")
+  return devices[:n]
 
 
 # ---------------------------------------------------------------------------
@@ -144,7 +171,13 @@ def split(batch: dict, n: int) -> dict:
 
 def train(args: argparse.Namespace, data: dict) -> dict:
   """Trains ``args.steps`` steps; returns losses, accuracy and timings."""
-  devices = jax.devices()[:args.devices]
+  devices = select_devices(args.devices, args.platform)
+  # New arrays, eager ops and jit on the mapped devices' platform too.
+  with jax.default_device(devices[0]):
+    return _train(args, data, devices)
+
+
+def _train(args: argparse.Namespace, data: dict, devices: list) -> dict:
   n = len(devices)
   sizes = [784] + [args.hidden] * args.depth + [10]
   params = init_mlp(jax.random.PRNGKey(args.seed), sizes)
@@ -183,6 +216,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--devices", type=int, default=4,
                  help="mesh size (simulated CPU devices when run directly)")
+  p.add_argument("--platform", default=None,
+                 help="the devices' platform (cpu, gpu, tpu); by default "
+                 "the default backend's, or the CPU's where it has fewer "
+                 "than --devices")
   p.add_argument("--data", default=DEFAULT_DATA, help="MNIST .npz")
   p.add_argument("--train-size", type=int, default=20000,
                  help="training examples used")
@@ -202,10 +239,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--log-every", type=int, default=20)
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
-  if args.devices > jax.device_count():
-    p.error(f"--devices {args.devices} > the {jax.device_count()} devices "
-            "jax sees (set XLA_FLAGS=--xla_force_host_platform_device_count"
-            "=N before starting Python).")
+  try:
+    select_devices(args.devices, args.platform)
+  except (ValueError, RuntimeError) as e:  # RuntimeError: unknown platform.
+    p.error(str(e))
   if args.batch_size % args.devices:
     p.error(f"--batch-size {args.batch_size} is not divisible by --devices "
             f"{args.devices}.")
@@ -216,10 +253,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Parses flags, trains, prints a summary, returns the results dict."""
   args = parse_args(argv)
   data = load_mnist(args.data, args.train_size)
-  print(f"jax {jax.__version__}: {args.devices} of {jax.device_count()} "
-        f"{jax.devices()[0].platform} devices, global batch "
-        f"{args.batch_size} ({args.batch_size // args.devices} per device)",
-        flush=True)
+  platform = select_devices(args.devices, args.platform)[0].platform
+  print(f"jax {jax.__version__}: {args.devices} of "
+        f"{len(jax.devices(platform))} {platform} devices (default backend "
+        f"{jax.default_backend()}), global batch {args.batch_size} "
+        f"({args.batch_size // args.devices} per device)", flush=True)
   results = train(args, data)
   results.pop("params")
   print(f"final loss {results['losses'][-1]:.4f} (first "

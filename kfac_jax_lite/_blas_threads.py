@@ -189,8 +189,9 @@ def lapack_library() -> Optional[str]:
   names the library that defines it.
   """
   try:
+    # A compiled module that scipy's annotations do not list.
     # pylint: disable-next=g-import-not-at-top
-    from scipy.linalg import cython_lapack
+    from scipy.linalg import cython_lapack  # pyright: ignore[reportAttributeAccessIssue]
     module = ctypes.CDLL(cython_lapack.__file__)
     dladdr = ctypes.CDLL(None).dladdr
     own = os.path.realpath(cython_lapack.__file__)
@@ -248,8 +249,8 @@ def _enter() -> None:
   global _depth, _saved
   with _lock:
     counts["enter"] += 1
-    if _depth == 0 and thread_control():
-      get, set_ = thread_control()
+    if _depth == 0 and (control := thread_control()):
+      get, set_ = control
       _saved = get()
       if _saved != THREADS:
         set_(THREADS)
@@ -262,8 +263,8 @@ def _exit() -> None:
     counts["exit"] += 1
     _depth = max(0, _depth - 1)
     if _depth == 0 and _saved is not None:
-      if _saved != THREADS:
-        thread_control()[1](_saved)
+      if _saved != THREADS and (control := thread_control()):
+        control[1](_saved)
       _saved = None
 
 

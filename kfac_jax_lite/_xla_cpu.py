@@ -6,23 +6,58 @@ kernels or avoids a runtime hazard. The reasons are measured in
 ``docs/performance.md`` ("Compile-time techniques"); each function names
 its anchor there. The sampling keys' integer hash (:mod:`kfac_jax_lite.keys`)
 is the one trick kept elsewhere, next to the keys it derives.
+
+The workarounds that change the program's structure (a loop, a
+conditional) are chosen when the program is lowered, by
+:func:`on_cpu`: the CPU program gets them, every other platform the plain
+computation (one batched factorisation per stack on a GPU, constant
+indices), so a program lowered for both (``lowering_platforms=("cpu",
+"cuda")``) is right on each (docs/performance.md#platform-specific-programs).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 
+def on_cpu(cpu, default, *args):
+  """``cpu(*args)`` in a program lowered for the CPU, else ``default(*args)``.
+
+  ``jax.lax.platform_dependent``: both are traced, the lowering keeps the
+  one of its platform (a conditional on the platform only when lowered for
+  several at once), so no flag and no default backend decides it. The two
+  must compute the same values; ``cpu`` only steers XLA:CPU.
+  """
+  return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
 def sequential_under_vmap(fn):
-  """``fn`` (one matrix in, arrays out) whose ``vmap`` is a ``lax.map``.
+  """``fn`` (one matrix in, arrays out) whose ``vmap`` is a ``lax.map`` on
+  the CPU, and a plain ``vmap`` (one batched call) on other platforms.
 
   jaxlib's CPU LAPACK kernels split a batch over XLA's intra-op thread pool
   and block until it is done, so two batched calls running at once can
   deadlock a small pool; mapped one matrix at a time they never wait on
   the pool, and the program still holds one kernel per shape, not one per
-  layer (docs/performance.md#lapack-under-vmap).
+  layer (docs/performance.md#lapack-under-vmap). A GPU has no such pool:
+  there a stack of ``B`` matrices is one batched cuSOLVER custom call, not
+  an XLA loop of ``B`` calls, each iteration waiting on its predicate
+  (:func:`on_cpu` picks the rule when lowering).
   """
+  wrapped = _sequential_vmap(fn)
+
+  @functools.wraps(fn)
+  def dispatch(*args):
+    return on_cpu(wrapped, fn, *args)
+
+  return dispatch
+
+
+def _sequential_vmap(fn):
+  """``fn`` with a ``custom_vmap`` rule that maps it one slice at a time."""
   wrapped = jax.custom_batching.custom_vmap(fn)
 
   @wrapped.def_vmap
@@ -46,19 +81,25 @@ def sequential_under_vmap(fn):
 
 
 def opaque_indices(n: int, like) -> tuple:
-  """``(0, 1, ..., n - 1)`` as int32 scalars XLA cannot constant-fold.
+  """``(0, 1, ..., n - 1)`` as int32 scalars XLA:CPU cannot constant-fold.
 
   Both branches of a ``lax.cond`` return the same constants, so the values
   are exact whatever the predicate (any element of ``like``); but XLA keeps
   the conditional, and each index reaches the kernels that use it as an
   argument instead of a constant inside them. Kernels that differ only in
   such an index are then one kernel, compiled once
-  (docs/performance.md#opaque-indices).
+  (docs/performance.md#opaque-indices). Other platforms get the plain
+  constants (:func:`on_cpu`): the conditional would cost a GPU a
+  synchronising branch for nothing.
   """
-  index = lambda: tuple(jnp.asarray(j, jnp.int32) for j in range(n))  # noqa: E731
+  index = lambda *_: tuple(jnp.asarray(j, jnp.int32) for j in range(n))  # noqa: E731
   if not jnp.size(like):  # Nothing to read: plain constants.
     return index()
-  return jax.lax.cond(jnp.ravel(like)[0] == 0, index, index)
+
+  def opaque(first):
+    return jax.lax.cond(first == 0, index, index)
+
+  return on_cpu(opaque, index, jnp.ravel(like)[0])
 
 
 # Leaves of one dtype smaller than FINITE_ALONE elements are reduced in

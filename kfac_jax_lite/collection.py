@@ -10,7 +10,7 @@ closed over by jitted functions.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 
@@ -55,7 +55,7 @@ def resolve_approx(kind: str, num_uses: int, explicit: Optional[str],
   if chosen is None and approximations:
     # Longest matching parameter-path prefix wins over a kind key.
     best = None
-    for k, v in approximations.items():
+    for k in approximations:
       if k in APPROXIMATIONS:
         continue
       if any(p.startswith(k) for p in param_paths):
@@ -300,7 +300,7 @@ def normalize_path(path: str) -> str:
   return path
 
 
-def layer_name(kind: str, paths: tuple) -> str:
+def layer_name(kind: str, paths: Sequence[str]) -> str:
   """A readable layer name: the common prefix of its parameter paths."""
   if not paths:
     return kind

@@ -19,6 +19,7 @@ import math
 from typing import NamedTuple, Union
 
 import jax
+import jax.core  # jax.core.Tracer
 from jax import lax
 import jax.numpy as jnp
 import optax

@@ -125,10 +125,11 @@ class CustomLossSpec(losses.PositionLoss):
     """
     if self.sampler is None:
       raise ValueError(self._mode_error("gradients"))
+    sampler = self.sampler
     lead, zf, _ = self._flat(jax.lax.stop_gradient(z))
     event = self.shape[len(self.shape) - self._event_ndim:]
     ks = jax.vmap(lambda i: keys.derive(key, i))(jnp.arange(zf.shape[0]))
-    ys = jax.vmap(lambda k, zv: self.sampler(k, zv.reshape(event)))(ks, zf)
+    ys = jax.vmap(lambda k, zv: sampler(k, zv.reshape(event)))(ks, zf)
     return ys.reshape(lead + ys.shape[1:])
 
   def check_mode(self, mode: str, index: int):
@@ -194,8 +195,13 @@ class CustomLossSpec(losses.PositionLoss):
   fisher_factor_transpose = fisher_factor
 
 
-def make_spec(meta: dict, shape) -> CustomLossSpec:
-  """The :class:`CustomLossSpec` of a tag's static metadata."""
+def make_loss_spec(kind: str, meta: dict, shape) -> losses.PositionLoss:
+  """The loss of a tag: its kind, static metadata and ``z``'s shape: a
+  :class:`CustomLossSpec` for ``kind="custom"``
+  (:func:`~kfac_jax_lite.register_loss_function`), else the built-in
+  :class:`~kfac_jax_lite.losses.LossSpec` (:func:`losses.make_spec`)."""
+  if kind != "custom":
+    return losses.make_spec(kind, meta, shape)
   return CustomLossSpec(
       loss_fn=meta["loss_fn"], sampler=meta.get("sampler"),
       weight=float(meta.get("weight", 1.0)),

@@ -124,7 +124,8 @@ def vary(tree, axes: tuple):
       return x
     if hasattr(lax, "pcast"):
       return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # jax < 0.9, before pcast replaced it.
+    # jax < 0.9, before pcast replaced it.
+    return lax.pvary(x, missing)  # pyright: ignore[reportAttributeAccessIssue]
 
   return jax.tree.map(cast, tree)
 

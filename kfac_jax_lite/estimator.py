@@ -4,17 +4,18 @@ The estimator holds one curvature block per layer of a collection. Its
 state groups same-shaped blocks (:mod:`kfac_jax_lite.grouping`); its
 products are inherited from :class:`kfac_jax_lite.products.CurvatureProducts`;
 the statistics come from one linearisation of the loss
-(:mod:`kfac_jax_lite.statistics`) and the cached inverses from a bucketed
-refresh (:mod:`kfac_jax_lite.refresh`). The one-pass loss / gradient /
-statistics function is :func:`kfac_jax_lite.one_pass.value_grad_and_stats`
-(also importable from here).
+(:mod:`kfac_jax_lite.linearization`), gathered into a
+:class:`~kfac_jax_lite.stats.Stats` (:mod:`kfac_jax_lite.stats`), and the
+cached inverses from a bucketed refresh (:mod:`kfac_jax_lite.refresh`). The
+one-pass loss / gradient / statistics function,
+:func:`kfac_jax_lite.one_pass.value_grad_and_stats`, is built on this
+module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from typing import Any, Mapping, Optional
 
 import jax
@@ -27,16 +28,16 @@ from kfac_jax_lite import products
 from kfac_jax_lite import grouping
 from kfac_jax_lite import linalg
 from kfac_jax_lite import refresh
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 from kfac_jax_lite import stats as stats_lib
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.grouping import EstimatorState
 from kfac_jax_lite.grouping import ProductInputs  # noqa: F401  (re-export)
-from kfac_jax_lite.statistics import canonical_mode
-from kfac_jax_lite.statistics import Linearized
-from kfac_jax_lite.statistics import MODES  # noqa: F401  (re-export)
-from kfac_jax_lite.statistics import stats_rows  # noqa: F401  (re-export)
+from kfac_jax_lite.linearization import canonical_mode
+from kfac_jax_lite.linearization import Linearized
+from kfac_jax_lite.linearization import MODES  # noqa: F401  (re-export)
+from kfac_jax_lite.linearization import stats_rows  # noqa: F401  (re-export)
 from kfac_jax_lite.stats import Stats
 
 
@@ -53,7 +54,7 @@ class FisherEstimator(products.CurvatureProducts):
     cov_ema_decay: EMA decay ``ρ ∈ [0, 1)`` of the factors.
     damping: default damping λ for :meth:`update_cache` (float or array).
     exps: matrix powers to cache (``-1`` the inverse, ``-0.5``, ...).
-    estimation_mode: see :mod:`kfac_jax_lite.statistics` (kfac-jax names
+    estimation_mode: see :mod:`kfac_jax_lite.linearization` (kfac-jax names
       accepted).
     compute_cholesky: cache the Cholesky factors of the damped blocks (for
       :meth:`multiply_cholesky`).
@@ -104,6 +105,31 @@ class FisherEstimator(products.CurvatureProducts):
       over generic layers) always use the whole batch; so do the gradient
       and the loss.
     stats_min_examples: the floor on ``m`` above (default 64).
+    stats_position_stride: ``k``: dense Kronecker factors (``kron``,
+      ``kron_indep`` and their diagonal variants) average every ``k``-th of
+      their ``N = B c`` rows (``c`` positions and uses of each of ``B``
+      examples, in order; ``k`` at most ``c``, so examples are never
+      dropped) from an offset ``o`` drawn uniformly from ``{0..k-1}`` at
+      each statistics pass, divided by ``N/k``:
+
+      .. math::
+        \\hat A = \\frac{k}{N} \\sum_j \\bar a_{o+jk} \\bar a_{o+jk}^T,
+        \\qquad \\mathbb{E}_o[\\hat A] = A
+
+      (the same rows for ``G``; ``c = N/B`` still counts every row). The
+      estimate is unbiased and its products cost ``k`` times fewer flops.
+      Its variance: ``Â`` is one of the ``k`` offset-class means ``A_o``
+      (``A`` their average), so :math:`\\mathrm{Var}[\\hat A_{ij}] =
+      \\frac1k \\sum_o (A_{o,ij} - A_{ij})^2`: zero when neighbouring
+      positions are alike, ``k`` times the all-row estimate's when rows
+      are independent; the EMA over steps averages it further. The rank of
+      one step's factor is at most ``⌈N/k⌉``. ``k = 1``, or no ``rng``,
+      uses every row; None (default) chooses when lowering: 1 on CPU, 4 on
+      other platforms, where the products of wide MLP factors dominate the
+      statistics pass
+      (:data:`kfac_jax_lite.blocks.kronecker.PLATFORM_STRIDES`). Other
+      blocks (``kron_reduce``, conv, embeddings, diagonal, ...) use every
+      row.
     block_factories: optional mapping from ``(kind, approx)`` or a
       parameter-path prefix to a factory ``(layer, config) -> block``
       that builds that layer's block instead of the built-in one
@@ -113,7 +139,8 @@ class FisherEstimator(products.CurvatureProducts):
     TypeError: if ``collection`` is not a :class:`LayerCollection`.
     ValueError: for an unknown ``estimation_mode``, ``cov_ema_decay``
       outside ``[0, 1)``, a negative ``damping``, a ``stats_fraction``
-      outside ``(0, 1]``, or inconsistent data-parallel options (each
+      outside ``(0, 1]``, a ``stats_position_stride`` that is not None or
+      a positive int, or inconsistent data-parallel options (each
       message names the argument and its value).
 
   Example:
@@ -138,6 +165,7 @@ class FisherEstimator(products.CurvatureProducts):
   distributed_inverses: bool = False
   stats_fraction: float = 1.0
   stats_min_examples: int = 64
+  stats_position_stride: Optional[int] = None
   block_factories: Optional[Mapping] = dataclasses.field(
       default=None, hash=False)
 
@@ -154,8 +182,8 @@ class FisherEstimator(products.CurvatureProducts):
           f"cov_ema_decay={self.cov_ema_decay!r} must be in [0, 1).")
     if isinstance(self.damping, (int, float)) and self.damping < 0:
       raise ValueError(f"damping={self.damping!r} must be >= 0.")
-    statistics.check_options(self.stats_fraction, self.stats_min_examples,
-                             self.num_samples)
+    linearization.check_options(self.stats_fraction, self.stats_min_examples,
+                             self.num_samples, self.stats_position_stride)
     distributed.check_options(self.axis_name, self.stats_sync,
                               self.distributed_inverses)
     exps = tuple(self.exps) if isinstance(self.exps, (list, tuple)) else (
@@ -164,7 +192,8 @@ class FisherEstimator(products.CurvatureProducts):
     config = blocks_lib.BlockConfig(
         exps=exps, compute_cholesky=self.compute_cholesky,
         compute_cholesky_inverse=self.compute_cholesky_inverse,
-        damping_type=self.damping_type)
+        damping_type=self.damping_type,
+        stats_position_stride=self.stats_position_stride)
     blocks_lib.check_overrides(self.collection.layers, self.block_factories)
     object.__setattr__(self, "_blocks", tuple(
         blocks_lib.make_block(l, config, overrides=self.block_factories)
@@ -255,7 +284,7 @@ class FisherEstimator(products.CurvatureProducts):
       with_jvp: build the JVP too (see above).
 
     Returns:
-      A ``statistics.Linearized``: loss, gradient and the layers' inputs.
+      A ``linearization.Linearized``: loss, gradient and the layers' inputs.
     """
     return Linearized(self.collection, params, batch, with_jvp=with_jvp)
 
@@ -283,9 +312,9 @@ class FisherEstimator(products.CurvatureProducts):
       with_jvp: as for :meth:`linearize`, for the second pass.
 
     Returns:
-      ``lin`` or the head's ``statistics.Linearized``.
+      ``lin`` or the head's ``linearization.Linearized``.
     """
-    return statistics.linearize_head(
+    return linearization.linearize_head(
         self.collection, params, batch, lin, self.stats_fraction,
         self.stats_min_examples, with_jvp)
 
@@ -304,7 +333,7 @@ class FisherEstimator(products.CurvatureProducts):
     """
     if self.axis_name is not None:
       rng = distributed.replica_key(rng, self.axis_name)
-    p = statistics.statistics_pass(
+    p = linearization.statistics_pass(
         lin, self.blocks, rng, self.estimation_mode, self.num_samples,
         self.compute_params_stats, self.axis_name,
         1.0 if lin.head_only else self.stats_fraction,
@@ -465,12 +494,3 @@ class FisherEstimator(products.CurvatureProducts):
       raise ValueError(
           "params_stats needs FisherEstimator(compute_params_stats=True).")
     return state.params_stats
-
-
-def __getattr__(name: str):
-  """``value_grad_and_stats``, re-exported from :mod:`kfac_jax_lite.one_pass`
-  (which imports this module, so it is looked up on first use)."""
-  if name == "value_grad_and_stats":
-    one_pass = importlib.import_module("kfac_jax_lite.one_pass")
-    return one_pass.value_grad_and_stats
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import jax
 from jax import lax
@@ -139,7 +139,9 @@ def total_loss(collection: LayerCollection, params, batch, *,
     >>> collection = kl.scan(loss_fn, params, batch)
     >>> kl.total_loss(collection, params, batch)   # the registered losses
   """
-  return sum(eval_losses(collection, params, batch, axis_name=axis_name))
+  # An array: a collection has at least one loss tag.
+  return cast(jnp.ndarray, sum(eval_losses(collection, params, batch,
+                                           axis_name=axis_name)))
 
 
 def eval_losses_on_samples(collection: LayerCollection, params, batch, rng,
@@ -220,6 +222,7 @@ def total_sampled_loss(collection: LayerCollection, params, batch, rng, *,
     >>> kl.total_sampled_loss(collection, params, batch,
     ...                       jax.random.PRNGKey(0), num_samples=8)
   """
-  return sum(eval_losses_on_samples(collection, params, batch, rng,
-                                    num_samples=num_samples,
-                                    axis_name=axis_name))
+  # An array: a collection has at least one loss tag.
+  return cast(jnp.ndarray, sum(eval_losses_on_samples(
+      collection, params, batch, rng, num_samples=num_samples,
+      axis_name=axis_name)))

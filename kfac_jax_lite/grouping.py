@@ -183,9 +183,10 @@ def unstack(tree, n, runtime_index=False) -> list:
   """The ``n`` slices of a stacked tree, ``[x[0], ..., x[n-1]]``.
 
   With ``runtime_index`` each ``x[j]`` is a ``dynamic_slice`` at an index
-  XLA does not know at compile time
-  (:func:`~kfac_jax_lite._xla_cpu.opaque_indices`), so the kernels that
-  consume the slices of one group are one kernel, compiled once. Use it
+  XLA:CPU does not know at compile time
+  (:func:`~kfac_jax_lite._xla_cpu.opaque_indices`; a constant on other
+  platforms), so the kernels that consume the slices of one group are one
+  kernel, compiled once. Use it
   where the slices are materialised anyway (outputs); static slices let
   XLA cancel a split followed by a stack.
   """
@@ -324,7 +325,7 @@ def dense_block_diagonal(collection, blocks, states):
   return out
 
 
-def _leaf_shapes(collection):
+def _leaf_shapes(collection) -> list:
   if collection.leaf_shapes:  # Includes leaves outside params_filter.
     return list(collection.leaf_shapes)
   shapes = [None] * len(collection.leaf_paths)

@@ -4,6 +4,17 @@ Factors are symmetric PSD matrices estimated from data. Everything here works
 in :func:`factor_dtype` (float32, or float64 when ``jax_enable_x64`` is on),
 symmetrises its input and clips eigenvalues at zero.
 
+Matmul precision: the matrix functions that form a damped inverse or power
+(:func:`damped_power`, :func:`damped_powers`) multiply at
+:data:`REFRESH_PRECISION` (``HIGHEST``: true float32) on every platform.
+A GPU multiplies float32 at TF32 by default (inputs rounded to 10
+mantissa bits, relative error about ``5e-4``), which a factor damped by
+``1e-6`` cannot afford: its condition number, up to about ``1e6``,
+magnifies that error in ``L⁻ᵀ L⁻¹``. The products that
+apply a cached inverse to a gradient (:func:`matmul_left`, :func:`rotate`,
+...) follow JAX's default precision, as the user's model does
+(docs/performance.md#matmul-precision).
+
 References:
   Martens & Grosse (2015), "Optimizing neural networks with Kronecker-factored
   approximate curvature", sec. 6.3 (factored Tikhonov damping, eq. 13-14:
@@ -17,10 +28,19 @@ import jax.numpy as jnp
 
 from kfac_jax_lite import _xla_cpu
 
+# The precision of the refresh's matmuls (module docstring).
+REFRESH_PRECISION = jax.lax.Precision.HIGHEST
+
+
+def _mm(a, b):
+  """``a @ b`` at :data:`REFRESH_PRECISION`."""
+  return jnp.matmul(a, b, precision=REFRESH_PRECISION)
+
 
 @_xla_cpu.sequential_under_vmap
 def cholesky(m):
-  """Lower Cholesky factor of a symmetric ``m``, sequential under ``vmap``
+  """Lower Cholesky factor of a symmetric ``m``; under ``vmap`` one matrix
+  at a time on the CPU, one batched call elsewhere
   (:func:`~kfac_jax_lite._xla_cpu.sequential_under_vmap`).
 
   ``m`` must be exactly symmetric (callers pass ``symmetrize(x) + d I``):
@@ -34,7 +54,7 @@ def cholesky(m):
 
 @_xla_cpu.sequential_under_vmap
 def lower_triangular_solve(chol, b):
-  """``L⁻¹ b`` for a lower-triangular ``L``, sequential under ``vmap``."""
+  """``L⁻¹ b`` for a lower-triangular ``L`` (``vmap`` as :func:`cholesky`)."""
   return jax.scipy.linalg.solve_triangular(chol, b, lower=True)
 
 
@@ -44,7 +64,8 @@ def cholesky_inverse(m):
 
   :func:`cholesky` and :func:`lower_triangular_solve` in one function,
   so that under ``vmap`` (a group of same-shaped factors) both run in one
-  ``lax.map``: one loop instead of two (docs/performance.md#lapack-under-vmap).
+  ``lax.map`` on the CPU: one loop instead of two
+  (docs/performance.md#lapack-under-vmap).
   """
   return lower_triangular_solve(cholesky(m),
                                 jnp.eye(m.shape[0], dtype=m.dtype))
@@ -52,19 +73,21 @@ def cholesky_inverse(m):
 
 @_xla_cpu.sequential_under_vmap
 def eigh(m):
-  """``jnp.linalg.eigh``, sequential under ``vmap``."""
+  """``jnp.linalg.eigh`` (``vmap`` as :func:`cholesky`)."""
   return jnp.linalg.eigh(m)
 
 
 @_xla_cpu.sequential_under_vmap
 def solve(a, b):
-  """``jnp.linalg.solve`` (LU), sequential under ``vmap``."""
+  """``jnp.linalg.solve`` (LU) (``vmap`` as :func:`cholesky`)."""
   return jnp.linalg.solve(a, b)
 
 
 def factor_dtype():
   """float64 when x64 is enabled, else float32 (whatever the params' dtype)."""
-  return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+  # The flag is set dynamically on jax.config, which has no type for it.
+  x64 = jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]
+  return jnp.float64 if x64 else jnp.float32
 
 
 def symmetrize(m):
@@ -122,7 +145,8 @@ def damped_power(m, damping, exp):
   """``(m + damping I)^exp`` for a symmetric PSD ``m`` (matrix or diagonal).
 
   ``exp == -1`` on a matrix uses a Cholesky factorisation; other exponents
-  an eigendecomposition with clipped eigenvalues.
+  an eigendecomposition with clipped eigenvalues. The products run at
+  :data:`REFRESH_PRECISION`.
   """
   m = m.astype(factor_dtype())
   if m.ndim == 1:
@@ -132,9 +156,9 @@ def damped_power(m, damping, exp):
     # (L Lᵀ)⁻¹ = L⁻ᵀ L⁻¹: one triangular solve and one matmul
     # (docs/performance.md#inverse-from-cholesky).
     chol_inv = cholesky_inverse(symmetrize(m) + damping * eye)
-    return chol_inv.T @ chol_inv
+    return _mm(chol_inv.T, chol_inv)
   s, u = safe_eigh(m)
-  return (u * jnp.power(s + damping, exp)[None, :]) @ u.T
+  return _mm(u * jnp.power(s + damping, exp)[None, :], u.T)
 
 
 def damped_powers(m, damping, exps) -> dict:
@@ -142,13 +166,14 @@ def damped_powers(m, damping, exps) -> dict:
 
   A lone inverse of a matrix uses a Cholesky solve; several powers (or any
   other power) share one eigendecomposition, as TF K-FAC's
-  ``DenseSquareMatrixFactor.make_inverse_update_ops``.
+  ``DenseSquareMatrixFactor.make_inverse_update_ops``. The products run
+  at :data:`REFRESH_PRECISION`.
   """
   exps = tuple(float(e) for e in exps)
   if m.ndim == 1 or exps in ((), (-1.0,)):
     return {e: damped_power(m, damping, e) for e in exps}
   s, u = safe_eigh(m)
-  return {e: (u * jnp.power(s + damping, e)[None, :]) @ u.T for e in exps}
+  return {e: _mm(u * jnp.power(s + damping, e)[None, :], u.T) for e in exps}
 
 
 def damped_cholesky(m, damping):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import jax
+import jax.core  # jax.core.Tracer
 import numpy as np
 
 from kfac_jax_lite import tag_checks

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable, overload
 
 
 import jax
@@ -81,8 +82,20 @@ class PositionLoss:
   targets); what follows (positions, means, scales, exact-mode columns)
   derives from them.
   """
+  # The subclass's fields and methods that the methods below read,
+  # declared for type checkers (no values: not fields of the subclass).
+  kind: str
+  weight: float
+  targets_in_curvature: bool
+  nll: Callable[..., Any]
+  fisher_factor: Callable[..., Any]
+  ggn_factor: Callable[..., Any]
 
   # ---- positions --------------------------------------------------------
+  @overload
+  def keep(self, z, mask: None) -> None: ...
+  @overload
+  def keep(self, z, mask: Any) -> jax.Array: ...
   def keep(self, z, mask):
     """The mask as booleans of z's leading shape (None without a mask)."""
     if mask is None:
@@ -371,13 +384,10 @@ class LossSpec(PositionLoss):
   multiply_ggn = multiply_fisher
 
 
-def make_loss_spec(kind: str, meta: dict, shape) -> PositionLoss:
-  """The loss of a tag: its kind, static metadata and ``z``'s shape."""
-  if kind == "custom":
-    # Imported here: custom_losses builds on this module.
-    # pylint: disable-next=g-import-not-at-top
-    from kfac_jax_lite import custom_losses
-    return custom_losses.make_spec(meta, shape)
+def make_spec(kind: str, meta: dict, shape) -> LossSpec:
+  """The :class:`LossSpec` of a built-in loss tag: its kind, static
+  metadata and ``z``'s shape (a tag of any kind:
+  :func:`kfac_jax_lite.custom_losses.make_loss_spec`)."""
   return LossSpec(kind=kind, weight=float(meta.get("weight", 1.0)),
                   var=float(meta.get("var", 0.5)),
                   has_targets=bool(meta.get("has_targets", False)),
@@ -385,7 +395,7 @@ def make_loss_spec(kind: str, meta: dict, shape) -> PositionLoss:
                   has_mask=bool(meta.get("has_mask", False)))
 
 
-def total_loss(specs, zs, targets, masks=None) -> jnp.ndarray:
+def total_loss(specs, zs, targets, masks=None) -> jnp.ndarray | float:
   """``Σ_l weight_l · mean_nll_l``: the registered losses (tests/examples).
 
   Each term is the mean over that tag's (unmasked) positions.

@@ -1,7 +1,7 @@
 """The one-pass loss / gradient / statistics function.
 
 :func:`value_grad_and_stats` runs one forward pass of the collection's loss
-function (a :class:`~kfac_jax_lite.statistics.Linearized`) and returns the
+function (a :class:`~kfac_jax_lite.linearization.Linearized`) and returns the
 loss, the gradient and the curvature statistics of a
 :class:`~kfac_jax_lite.estimator.FisherEstimator`'s blocks.
 """

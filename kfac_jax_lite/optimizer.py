@@ -29,7 +29,7 @@ compiled program.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, cast
 
 import jax
 from jax import lax
@@ -40,7 +40,7 @@ from kfac_jax_lite import curvature as curvature_lib
 from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import evaluation
 from kfac_jax_lite import linalg
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 from kfac_jax_lite import transform
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
@@ -86,7 +86,7 @@ def fisher_gram(lin, vectors, axis_name=None):
      m_{\\ell,n} (J_n v_i)^T F_R(z_n) (J_n v_j)
 
   over the ``N_ℓ`` kept leading positions of each loss tag ``ℓ`` (its mask
-  ``m``; :func:`~kfac_jax_lite.statistics.output_fisher_gram`). ``J_n v``
+  ``m``; :func:`~kfac_jax_lite.linearization.output_fisher_gram`). ``J_n v``
   comes from the JVP of one linearisation (no new forward pass), one JVP
   per vector.
 
@@ -102,7 +102,7 @@ def fisher_gram(lin, vectors, axis_name=None):
   # (docs/performance.md#one-jvp-per-vector).
   jvs = jax.tree.map(lambda *x: jnp.stack(x),
                      *[lin.output_jvp(v) for v in vectors])
-  gram = statistics.output_fisher_gram(lin, jvs)
+  gram = linearization.output_fisher_gram(lin, jvs)
   if axis_name is not None:
     gram = lax.pmean(gram, axis_name)
   return gram
@@ -283,7 +283,10 @@ def kfac_optimizer(collection: LayerCollection, *,
   def init_fn(params):
     z = lambda: jnp.zeros((), dt)  # noqa: E731  (distinct, donatable)
     return KFACOptimizerState(
-        curvature=curvature(initial_damping).init(params),
+        # update_curvature's state is a CurvatureState (optax types it
+        # as any pytree).
+        curvature=cast(curvature_lib.CurvatureState,
+                       curvature(initial_damping).init(params)),
         velocity=jax.tree.map(jnp.zeros_like, params),
         damping=jnp.asarray(max(initial_damping, floor), dt),
         learning_rate=z(), momentum=z(), qmodel_change=z(), rho=z(),
@@ -300,6 +303,9 @@ def kfac_optimizer(collection: LayerCollection, *,
     head = est.linearize_head(params, batch, lin)
     _, cstate = curvature(lam).update((grads, fixed), state.curvature,
                                       params, stats=stats, linearized=head)
+    # update_curvature's state is a CurvatureState (optax types it as any
+    # pytree).
+    cstate = cast(curvature_lib.CurvatureState, cstate)
     finite = cstate.last_finite
     # P = F̂⁻¹ g, and Δ = -P enters through signs only: the Grams and c of
     # (Δ, δ) are those of (P, δ) with the cross terms and gᵀΔ negated, and
@@ -359,9 +365,10 @@ def kfac_optimizer(collection: LayerCollection, *,
     return updates, rest._replace(curvature=cstate, velocity=velocity,
                                   num_skipped=new_state.num_skipped)
 
-  def guarded_update_fn(grads, state, params=None, *, batch=None, stats=None,
-                        **extra_args):
+  def guarded_update_fn(updates, state, params=None, *, batch=None,
+                        stats=None, **extra_args):
     del extra_args
+    grads = updates  # optax's name for the first argument; None is allowed
     transform.check_state(state, KFACOptimizerState._fields,
                           "kfac_optimizer")
     if params is None or batch is None:

@@ -11,7 +11,7 @@ cuts the result per layer and per parameter.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable, TYPE_CHECKING
 
 import jax
 
@@ -19,6 +19,9 @@ from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import distributed
 from kfac_jax_lite import grouping
 from kfac_jax_lite.grouping import ProductInputs
+
+if TYPE_CHECKING:
+  from kfac_jax_lite.collection import LayerCollection
 
 
 class CurvatureProducts:
@@ -29,6 +32,16 @@ class CurvatureProducts:
   / ``_replace``, its checked per-group view of a state and the state
   rebuilt from per-group entries.
   """
+  # Declared for type checkers only (no values: not dataclass fields of the
+  # subclass); the estimator defines each.
+  collection: LayerCollection
+  blocks: tuple
+  groups: tuple
+  stats_sync: str
+  axis_name: Any
+  _stacked: Callable[..., list]
+  _replace: Callable[..., Any]
+  _blocks: tuple  # set by the estimator's __post_init__, read by blocks
 
   @functools.cached_property
   def _live(self) -> tuple:

@@ -12,6 +12,7 @@ size (docs/performance.md#size-buckets).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -78,7 +79,8 @@ def bucketed_map(fn, mats, dampings, padded_sizes=None) -> list:
   (``[n]`` for vectors) is the unpadded result. Every member of a bucket
   reaches ``fn`` through the same kernels: its size ``n`` and its damping
   are runtime arguments (read from vectors at
-  :func:`~kfac_jax_lite._xla_cpu.opaque_indices`). ``fn`` is not
+  :func:`~kfac_jax_lite._xla_cpu.opaque_indices`, in the CPU program:
+  elsewhere at constants). ``fn`` is not
   ``vmap``-ed over a bucket (docs/performance.md#size-buckets).
 
   Args:
@@ -131,7 +133,7 @@ def bucketed_map(fn, mats, dampings, padded_sizes=None) -> list:
   return out
 
 
-def _bucketable(block, state) -> bool:
+def _bucketable(block: blocks_lib.Block, state) -> bool:
   """A block whose ``"pi"`` refresh has dense factors to bucket."""
   return (isinstance(block, blocks_lib.base.FactorBucketed)
           and block.config.damping_type == "pi"
@@ -256,6 +258,19 @@ def alone_refresh(blocks, states, damping) -> Callable:
   return refresh
 
 
+def highest_precision(fn: Callable) -> Callable:
+  """``fn`` traced with every matmul at :data:`linalg.REFRESH_PRECISION`
+  (``jax.default_matmul_precision``: a dot given no precision takes it)."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.default_matmul_precision(linalg.REFRESH_PRECISION.name.lower()):
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
+@highest_precision
 def update_cache(blocks, groups, states, damping, layers=None) -> list:
   """The refreshed state of every group (``vmap`` per group, buckets for
   the singleton groups).
@@ -277,6 +292,7 @@ def update_cache(blocks, groups, states, damping, layers=None) -> list:
   return grouping.put(states, parts, new)
 
 
+@highest_precision
 def distributed_update_cache(blocks, groups, states, damping, layers,
                              axis_name) -> list:
   """:func:`update_cache` with each device of ``axis_name`` refreshing a

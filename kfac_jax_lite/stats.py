@@ -1,8 +1,8 @@
 """The statistics a step carries: :class:`Stats`.
 
 :func:`make_stats` turns a statistics pass
-(:func:`kfac_jax_lite.statistics.statistics_pass`) into one stacked entry per
-group of the estimator state (:mod:`kfac_jax_lite.grouping`), with a
+(:func:`kfac_jax_lite.linearization.statistics_pass`) into one stacked
+entry per group of the estimator state (:mod:`kfac_jax_lite.grouping`), with a
 finiteness marker, averaged over a data-parallel axis unless the average is
 deferred to the refresh (``stats_sync="before_refresh"``); the static
 ``reduction`` records which, and :func:`check_reduction` refuses statistics
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import _xla_cpu
 from kfac_jax_lite import grouping
 from kfac_jax_lite import linalg
-from kfac_jax_lite.statistics import Pass
+from kfac_jax_lite.linearization import Pass
 
 
 @functools.partial(jax.tree_util.register_dataclass,

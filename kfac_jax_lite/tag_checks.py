@@ -8,6 +8,7 @@ the shape expected and the fix.
 from __future__ import annotations
 
 import jax
+import jax.core  # jax.core.Tracer
 import jax.numpy as jnp
 import numpy as np
 

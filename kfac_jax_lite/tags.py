@@ -26,6 +26,7 @@ import importlib
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.core  # jax.core.Tracer
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, cast
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +94,8 @@ def check_hyperparameter(name, value):
     check_nonnegative(name, value)
     return
   if hasattr(value, "shape") and hasattr(value, "dtype") and (
-      jnp.ndim(value) == 0) and jnp.issubdtype(value.dtype, jnp.number):
+      jnp.ndim(value) == 0) and jnp.issubdtype(
+          cast(Any, value).dtype, jnp.number):  # hasattr checked dtype
     return
   raise TypeError(
       f"{name}={value!r} is a {type(value).__name__}; expected a number, a "
@@ -126,7 +127,7 @@ def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
       norm_constraint / jnp.where(sq > 0, sq, 1.0))), 1.0)
 
 
-def scale_by_kfac(collection: LayerCollection, *,
+def scale_by_kfac(collection: Optional[LayerCollection], *,
                   damping: ScalarOrSchedule = 1e-3,
                   cov_ema_decay: Optional[float] = None,
                   cov_update_period: int = 1,
@@ -240,6 +241,9 @@ def scale_by_kfac(collection: LayerCollection, *,
     # reader per gradient leaf (docs/performance.md#one-read-per-gradient).
     _, state = curvature.update((inputs.checked(), dynamic(lr)), state,
                                 params, batch=batch, stats=stats)
+    # update_curvature's state is a CurvatureState (optax types it as any
+    # pytree).
+    state = cast(CurvatureState, state)
     direction = est.multiply_matpower(state.estimator, updates, power,
                                       inputs=inputs)
     if norm_constraint is not None:
@@ -471,7 +475,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   """
   check_hyperparameter("momentum", momentum)
   check_hyperparameter("weight_decay", weight_decay)
-  parts = [scale_by_kfac(
+  parts: list[optax.GradientTransformation] = [scale_by_kfac(
       collection, damping=damping, cov_ema_decay=cov_ema_decay,
       cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,

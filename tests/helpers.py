@@ -3,6 +3,7 @@
 The named problems built from these live in ``tests/problems.py``.
 """
 
+import contextlib
 import importlib.util
 import pathlib
 import sys
@@ -12,10 +13,49 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import kfac_jax_lite as kl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def replica_devices(n):
+  """``n`` devices for a data-parallel test.
+
+  The default backend's first ``n``; where it has fewer (a machine with
+  one GPU), ``n`` of the CPU devices ``tests/conftest.py`` simulates. Skips
+  the test, naming both counts, where neither has ``n``.
+  """
+  devices = jax.devices()
+  if len(devices) >= n:
+    return devices[:n]
+  try:
+    cpus = jax.devices("cpu")
+  except RuntimeError:  # JAX_PLATFORMS without the CPU.
+    cpus = []
+  if len(cpus) < n:
+    pytest.skip(f"needs {n} devices: JAX's default backend "
+                f"({jax.default_backend()}) has {len(devices)}, the CPU "
+                f"{len(cpus)} (tests/conftest.py asks XLA for 4)")
+  return cpus[:n]
+
+
+@contextlib.contextmanager
+def on_replica_devices(n):
+  """Runs the block with :func:`replica_devices` ``(n)`` (yielded).
+
+  Where those are CPU devices beside an accelerator, new arrays, eager ops
+  and ``jit`` go to the first of them too (``jax.default_device``): the
+  one-device reference and the data-parallel run then compute on the same
+  platform, and ``pmap(..., devices=...)`` gets arrays it can take.
+  """
+  devices = replica_devices(n)
+  if devices[0] in jax.devices():
+    yield devices
+  else:
+    with jax.default_device(devices[0]):
+      yield devices
 
 
 def load_example(name):
@@ -94,6 +134,16 @@ def assert_trees_close(a, b, rtol):
     assert err <= rtol * ref, f"relative error {err / ref:.3g} > {rtol}"
 
 
+def sub_jaxprs(eqn):
+  """The jaxprs in an equation's params (what
+  ``jax.extend.core.jaxprs_in_params`` gives from jax 0.10 on)."""
+  for p in eqn.params.values():
+    for sub in p if isinstance(p, (tuple, list)) else (p,):
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
 def count_primitive(jaxpr, primitive, scope="", *, outside=None,
                     not_into=(), within=(), shapes=None,
                     _entered=False) -> int:
@@ -115,7 +165,7 @@ def count_primitive(jaxpr, primitive, scope="", *, outside=None,
         and (shapes is None or eqn.outvars[0].aval.shape in shapes)):
       n += 1
     if eqn.primitive.name not in not_into:
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      for sub in sub_jaxprs(eqn):
         n += count_primitive(
             sub, primitive, scope, outside=outside, not_into=not_into,
             within=within, shapes=shapes,

@@ -837,20 +837,21 @@ def test_scale_of_unbatched_value_falls_back():
   assert "does not depend on the batch" in c.layers[1].note
 
 
-def test_transposed_kernel_and_parameter_products_fall_back():
+def test_transposed_kernel_is_dense_and_parameter_products_fall_back():
   def loss_fn(p, batch):
     h = jnp.tanh(batch[0] @ p["w1"].T)
     return _ce(h @ (p["a"] @ p["b"]), batch[1])
   params = {"a": _x(6, 2), "b": _x(2, 3), "w1": _x(6, 5)}
   batch = (_x(B, 5), _labels(B))
   c = kl.scan(loss_fn, params, batch)
-  assert _summary(c) == [("generic", 1, "diagonal", "leftover")] * 3
-  text = c.describe()
   # x @ w.T is the output projection of a tied embedding only when the
-  # table is also looked up.
-  assert "contracts the parameter on its last axis" in text
-  assert "not also looked up by ids" in text
-  assert "a product of two parameters is not a layer" in text
+  # table is also looked up; otherwise a dense layer with a [d_out, d_in]
+  # kernel.
+  assert _summary(c) == [("fully_connected", 1, "kron", "auto")] + [
+      ("generic", 1, "diagonal", "leftover")] * 2
+  assert c.layers[0].param_paths == ("['w1']",)
+  assert c.layers[0].meta_dict["kernel_perm"] == (1, 0)
+  assert "a product of two parameters is not a layer" in c.describe()
 
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""The LAPACK thread limit around the library's refresh (_blas_threads)."""
+"""The LAPACK thread limit around the library's refresh (_blas_threads).
+
+The limit is emitted for XLA:CPU only (``lax.platform_dependent``): the
+tests that watch it are ``cpu_only``.
+"""
 
 import os
 import subprocess
@@ -63,6 +67,7 @@ def _probed(x):
   return chol, seen[0], seen[1:]
 
 
+@pytest.mark.cpu_only
 @needs_lapack
 @pytest.mark.usefixtures("outside")
 def test_limited_during_the_call_and_restored_after():
@@ -81,6 +86,7 @@ def test_limited_during_the_call_and_restored_after():
   assert int(inside) == OUTSIDE
 
 
+@pytest.mark.cpu_only
 @needs_lapack
 @pytest.mark.usefixtures("outside")
 def test_limit_inside_cond_vmap_and_pmap():
@@ -124,9 +130,9 @@ def test_values_and_gradients_unchanged():
       grad, jax.grad(lambda m: fn(m, 2.0)["inv"].sum())(m))
 
 
-@needs_lapack
-@pytest.mark.usefixtures("outside")
-def test_kfac_refresh_runs_limited_and_restores():
+def _kfac_step():
+  """``(step, params, state)``: a jitted ``kfac`` step that refreshes the
+  inverses every second step."""
   params = helpers.mlp_params(jax.random.PRNGKey(0), [5, 8, 3])
   x = jax.random.normal(jax.random.PRNGKey(1), (16, 5))
   y = jax.random.randint(jax.random.PRNGKey(2), (16,), 0, 3)
@@ -141,10 +147,18 @@ def test_kfac_refresh_runs_limited_and_restores():
     updates, state = tx.update(grads, state, params, stats=stats)
     return optax.apply_updates(params, updates), state
 
-  hlo = step.lower(params, tx.init(params)).as_text()
+  return step, params, tx.init(params)
+
+
+@pytest.mark.cpu_only
+@needs_lapack
+@pytest.mark.usefixtures("outside")
+def test_kfac_refresh_runs_limited_and_restores():
+  step, params, state = _kfac_step()
+  hlo = step.lower(params, state).as_text()
   assert _blas_threads.ENTER_TARGET in hlo
   assert _blas_threads.EXIT_TARGET in hlo
-  state, others = tx.init(params), _threads(False)
+  others = _threads(False)
   before = dict(_blas_threads.counts)
   for _ in range(4):  # Refreshes at steps 0 and 2.
     params, state = step(params, state)
@@ -153,6 +167,22 @@ def test_kfac_refresh_runs_limited_and_restores():
   assert _blas_threads.counts["exit"] - before["exit"] == 2
   assert _threads() == [OUTSIDE]
   assert _threads(False) == others
+
+
+def test_the_limit_is_in_the_cpu_program_only():
+  """The step lowered for CUDA (from any backend) has no thread-limit
+  calls, and its refresh calls cuSOLVER; lowered for the CPU it has
+  both calls around LAPACK."""
+  step, params, state = _kfac_step()
+  traced = step.trace(params, state)
+  cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "cusolver" in cuda
+  assert _blas_threads.ENTER_TARGET not in cuda
+  assert _blas_threads.EXIT_TARGET not in cuda
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert "lapack" in cpu
+  assert _blas_threads.ENTER_TARGET in cpu
+  assert _blas_threads.EXIT_TARGET in cpu
 
 
 @pytest.mark.slow

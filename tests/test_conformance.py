@@ -22,6 +22,7 @@ from kfac_jax_lite import kinds
 from kfac_jax_lite.blocks import base
 from tests import block_cases as cases
 from tests import blocks_helpers as h
+from tests import helpers
 from tests.blocks_helpers import x64  # noqa: F401  (fixture)
 
 # (kind, approx) without Cholesky products or without products at exp 1.
@@ -163,10 +164,11 @@ def test_before_refresh_sync_under_pmap_with_a_separable_conv():
     return tx.update(grads, state, params, batch=batch)
 
   split = lambda a: a.reshape((r, -1) + a.shape[1:])  # noqa: E731
-  state = jax.tree.map(lambda a: jnp.stack([a] * r), tx.init(params))
-  fn = jax.pmap(step, axis_name="d", devices=jax.devices()[:r])
-  for _ in range(2):
-    direction, state = fn(state, (split(x), split(y)))
+  with helpers.on_replica_devices(r) as devices:
+    state = jax.tree.map(lambda a: jnp.stack([a] * r), tx.init(params))
+    fn = jax.pmap(step, axis_name="d", devices=devices)
+    for _ in range(2):
+      direction, state = fn(state, (split(x), split(y)))
   for leaf in jax.tree.leaves((direction, state)):
     assert np.all(np.isfinite(leaf))
     np.testing.assert_array_equal(leaf[1], leaf[0])

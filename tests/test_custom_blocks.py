@@ -17,7 +17,7 @@ from kfac_jax_lite.blocks import base
 from tests import helpers
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "custom_blocks.md"
-R = 4  # replicas (conftest simulates 4 CPU devices)
+R = 4  # replicas (helpers.replica_devices)
 
 
 def _doc_example() -> dict:
@@ -154,9 +154,10 @@ def test_every_verb_is_the_explicit_isotropic_kronecker_block():
                                alpha * beta * np.eye(len(idx)), rtol=1e-12)
 
 
-def _train(axis_name, distributed_inverses=False):
+def _train(axis_name, distributed_inverses=False, devices=None):
   """Three kfac steps with the user blocks: on one device with the whole
-  batch, or under pmap over R replicas of B / R examples each."""
+  batch, or under pmap over R replicas (``devices``) of B / R examples
+  each."""
   params, batches, col = _problem()
   est = kl.FisherEstimator(col, estimation_mode="exact", damping=0.0,
                            block_factories=FACTORIES, axis_name=axis_name,
@@ -175,7 +176,7 @@ def _train(axis_name, distributed_inverses=False):
   if axis_name is None:
     fn = jax.jit(step)
   else:
-    fn = jax.pmap(step, axis_name=axis_name)
+    fn = jax.pmap(step, axis_name=axis_name, devices=devices)
     params, state = (jax.tree.map(lambda x: jnp.stack([x] * R), t)
                      for t in (params, state))
     batches = [jax.tree.map(lambda x: x.reshape((R, -1) + x.shape[1:]), b)
@@ -197,9 +198,9 @@ def _train(axis_name, distributed_inverses=False):
     False, pytest.param(True, marks=pytest.mark.slow)])
 def test_pmap_with_axis_name_is_one_device_on_the_whole_batch(
     distributed_inverses):
-  assert jax.device_count() >= R
-  want_params, want_blocks = _train(None)
-  got_params, got_blocks = _train("batch", distributed_inverses)
+  with helpers.on_replica_devices(R) as devices:
+    want_params, want_blocks = _train(None)
+    got_params, got_blocks = _train("batch", distributed_inverses, devices)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10,
                                                        atol=1e-13),
                got_params, want_params)

@@ -1,8 +1,9 @@
 """Data parallelism: pmap, shard_map, sharded jit, distributed inverses.
 
-conftest.py gives 4 simulated CPU devices. The reference is always one
-device with the whole batch; the data-parallel runs give each of the 4
-devices a quarter of it.
+4 devices (``helpers.replica_devices``: the default backend's, or where it
+has fewer, the 4 CPU devices conftest.py simulates; the whole module then
+runs on the CPU). The reference is always one device with the whole batch;
+the data-parallel runs give each of the 4 devices a quarter of it.
 """
 
 import os
@@ -41,10 +42,20 @@ def _loss(params, batch):
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h, y))
 
 
+@pytest.fixture(name="devices", scope="module", autouse=True)
+def _devices():
+  with helpers.on_replica_devices(R) as devices:
+    yield devices
+
+
+def _pmap(fn, **kwargs):
+  """``jax.pmap`` over the module's devices, axis ``"d"``."""
+  return jax.pmap(fn, axis_name="d", devices=helpers.replica_devices(R),
+                  **kwargs)
+
+
 @pytest.fixture(name="problem", scope="module")
 def _problem():
-  if jax.device_count() < R:
-    pytest.skip(f"needs {R} devices (tests/conftest.py sets them)")
   params, batches, _ = problems.mlp_classifier((6, 8, 8, 8, 3), 16, 3)
   params["scale"] = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(9),
                                                   (8,))
@@ -53,8 +64,8 @@ def _problem():
 
 
 @pytest.fixture(name="mesh", scope="module")
-def _mesh():
-  return Mesh(np.array(jax.devices()[:R]), ("d",))
+def _mesh(devices):
+  return Mesh(np.array(devices), ("d",))
 
 
 def _split(tree):
@@ -99,7 +110,7 @@ def _steps(mapping, make_tx, params, batches, mesh):
 
   state = jax.jit(tx.init)(params)
   if mapping == "pmap":
-    fn = jax.pmap(step, axis_name="d", in_axes=(0, None, 0))
+    fn = _pmap(step, in_axes=(0, None, 0))
     state, prep = _replicate(state), _split
   elif mapping == "shard_map":
     fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("d")),
@@ -248,7 +259,7 @@ def test_replica_states_stay_bitwise_identical(problem, make):
     updates, state = tx.update(grads, state, params, batch=batch)
     return optax.apply_updates(params, updates), state
 
-  step = jax.pmap(step, axis_name="d")
+  step = _pmap(step)
   p, s = _replicate(params), _replicate(jax.jit(tx.init)(params))
   for i in range(20):
     b = helpers.classification_batch(jax.random.PRNGKey(100 + i), 16, 6, 3)
@@ -272,9 +283,8 @@ def test_replicas_draw_different_targets(problem):
 
   def local_factors(axis):
     est = kl.FisherEstimator(c, axis_name=axis, stats_sync="before_refresh")
-    fn = jax.pmap(lambda b: est.update_curvature(
-        est.init(params), params, b, jax.random.PRNGKey(0)).blocks[0],
-                  axis_name="d")
+    fn = _pmap(lambda b: est.update_curvature(
+        est.init(params), params, b, jax.random.PRNGKey(0)).blocks[0])
     return fn(same)
 
   folded = local_factors("d")
@@ -296,8 +306,8 @@ def test_stats_synced_before_refresh(problem):
     tx = kl.scale_by_kfac(c, damping=1e-2, inverse_update_period=3,
                           axis_name="d", stats_sync=sync)
     grad = _mean_grad("pmap")
-    fn = jax.pmap(lambda s, b: tx.update(grad(params, b), s, params,
-                                         batch=b), axis_name="d")
+    fn = _pmap(lambda s, b: tx.update(grad(params, b), s, params,
+                                      batch=b))
     s, out = _replicate(tx.init(params)), []
     for b in batches:
       d, s = fn(s, _split(b))
@@ -394,8 +404,7 @@ def test_wrong_axis_name_is_reported(problem):
   params, batches, c = problem
   tx = kl.kfac(0.1, c, axis_name="batch")
   state = _replicate(tx.init(params))
-  step = jax.pmap(lambda s, b: tx.update(params, s, params, batch=b),
-                  axis_name="d")
+  step = _pmap(lambda s, b: tx.update(params, s, params, batch=b))
   with pytest.raises(ValueError, match="axis_name='batch' is not a mapped"):
     step(state, _split(batches[0]))
   with pytest.raises(ValueError, match="axis_name='batch'"):
@@ -412,8 +421,7 @@ def test_stats_reduced_differently_are_rejected(problem):
     _, grads, stats = fn(params, b, jax.random.PRNGKey(0))
     return tx.update(grads, s, params, stats=stats)
   with pytest.raises(ValueError, match="axis_name='d'"):
-    jax.pmap(step, axis_name="d")(_replicate(tx.init(params)),
-                                  _split(batches[0]))
+    _pmap(step)(_replicate(tx.init(params)), _split(batches[0]))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -439,8 +447,9 @@ def _example(name):
     ("pmap_data_parallel", ["--distributed-inverses"]),
     ("shard_map_data_parallel", ["--stats-sync", "before_refresh"])])
 def test_data_parallel_examples_run(name, flags, capsys):
-  if jax.device_count() < R:
-    pytest.skip(f"needs {R} devices")
+  """The example picks the devices helpers.replica_devices does: the
+  default backend's, or the simulated CPU devices beside one GPU."""
+  platform = helpers.replica_devices(R)[0].platform
   res = _example(name).main(
       ["--devices", str(R), "--steps", "3", "--hidden", "16", "--depth", "1",
        "--batch-size", "32", "--train-size", "256", "--inverse-period", "2",
@@ -448,7 +457,9 @@ def test_data_parallel_examples_run(name, flags, capsys):
   assert res["devices"] == R and res["steps"] == 3
   assert len(res["losses"]) == 3 and all(np.isfinite(res["losses"]))
   assert 0.0 <= res["test_accuracy"] <= 1.0
-  assert "final loss" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert f"{R} of " in out and f" {platform} devices" in out, out
+  assert "final loss" in out
 
 
 @pytest.mark.slow
@@ -460,8 +471,10 @@ def test_two_processes_match_one_process(tmp_path):
                  "--estimation-mode", "empirical",
                  "--out", str(tmp_path / "result.npz")])
   batches = mp.synthetic_batches(0, 5, 64, 8, 4)
-  ref = mp.train(Mesh(np.array(jax.devices()[:1]), (mp.AXIS,)), batches,
-                 estimation_mode="empirical")
+  cpu = jax.devices("cpu")[0]  # The workers' platform.
+  with jax.default_device(cpu):
+    ref = mp.train(Mesh(np.array([cpu]), (mp.AXIS,)), batches,
+                   estimation_mode="empirical")
   assert ref["losses"][-1] < ref["losses"][0]
   np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
   helpers.assert_trees_close(out["params"], ref["params"], rtol=1e-5)

@@ -5,7 +5,8 @@ complete docstring, is in ``__all__`` and in the API page; the README is a
 front page (size, commands, no history) whose quickstart is a snippet that
 the slow tier runs; the generated tables cover every registry entry. The
 slow tier builds the site with ``mkdocs build --strict`` and runs every
-snippet the guides include.
+snippet the guides include; ``tests/test_docs_browser.py`` looks at the
+built site in a browser.
 """
 
 import importlib.util
@@ -21,7 +22,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from kfac_jax_lite import kinds
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -38,12 +39,16 @@ HISTORY = re.compile(
 SECTION = re.compile(r"^(\w[\w ]*):\s*$")
 
 
-def _hooks():
-  spec = importlib.util.spec_from_file_location("docs_hooks",
-                                                DOCS / "hooks.py")
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(f"docs_{name}",
+                                                DOCS / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def _hooks():
+  return _load("hooks")
 
 
 def _sections(doc: str) -> dict:
@@ -223,9 +228,9 @@ def test_every_snippet_is_included_by_a_page():
 def test_generated_tables_cover_the_registries():
   hooks = _hooks()
   modes = hooks.modes_table()
-  for mode in statistics.MODES:
+  for mode in linearization.MODES:
     assert f"| `{mode}` |" in modes
-  for alias in statistics.MODE_ALIASES:
+  for alias in linearization.MODE_ALIASES:
     assert f"`{alias}`" in modes
   table = hooks.tags_table()
   for name in kinds.KINDS:
@@ -239,6 +244,54 @@ def test_hooks_refuse_an_unknown_table():
   hooks = _hooks()
   with pytest.raises(ValueError, match="no generated table 'nope'"):
     hooks.on_page_markdown("<!-- generated: nope -->", None, None, None)
+
+
+def test_doctests_become_fenced_code():
+  convert = _load("griffe_rst").convert
+  doc = inspect.cleandoc("""Runs.
+
+      Example:
+        >>> # a comment, not a heading
+        >>> def f(x):
+        ...   return x
+        >>> f(1)
+        1
+
+        >>> f(:math:`x`)
+
+      Then prose :math:`x`.
+
+      ```python
+      >>> already_fenced()
+      ```
+      """)
+  assert convert(doc).split("\n") == [
+      "Runs.", "", "Example:",
+      "  ```pycon",
+      "  >>> # a comment, not a heading",
+      "  >>> def f(x):", "  ...   return x", "  >>> f(1)", "  1",
+      "  ```", "",
+      "  ```pycon", "  >>> f(:math:`x`)", "  ```", "",
+      "Then prose $x$.", "",
+      "```python", ">>> already_fenced()", "```"]
+
+
+def test_math_is_served_with_the_site():
+  config = (ROOT / "mkdocs.yml").read_text()
+  assets = re.findall(r"^extra_(?:javascript|css):\n((?:  - .*\n)+)",
+                      config, re.M)
+  paths = [line.strip()[2:] for block in assets
+           for line in block.splitlines()]
+  assert "javascripts/katex/katex.min.js" in paths, paths
+  for path in paths:
+    assert "//" not in path, f"mkdocs.yml loads {path} from another host"
+    assert (DOCS / path).is_file(), path
+  css = (DOCS / "javascripts/katex/katex.min.css").read_text()
+  fonts = re.findall(r"url\(([^)]+)\)", css)
+  assert fonts, "katex.min.css names no fonts"
+  missing = [f for f in fonts
+             if not (DOCS / "javascripts/katex" / f).is_file()]
+  assert not missing, missing
 
 
 @pytest.mark.slow

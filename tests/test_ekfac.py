@@ -342,8 +342,11 @@ def test_data_parallel_scalings_use_the_global_batch(distributed_inverses):
   gathered, not averaged: the state equals one device's on the whole
   batch (also when each device refreshes a share of the layers)."""
   r = 2
-  if jax.device_count() < r:
-    pytest.skip("needs 2 devices (tests/conftest.py sets them)")
+  with helpers.on_replica_devices(r) as devices:
+    _check_data_parallel_scalings(distributed_inverses, r, devices)
+
+
+def _check_data_parallel_scalings(distributed_inverses, r, devices):
   params, batches, _ = problems.small_classifier(1)
   batch = batches[0]
   coll = kl.scan(helpers.classifier_loss, params, batch,
@@ -363,7 +366,7 @@ def test_data_parallel_scalings_use_the_global_batch(distributed_inverses):
   want = jax.jit(lambda b: run(single, b))(batch)
   split = jax.tree.map(lambda a: a.reshape((r, -1) + a.shape[1:]), batch)
   got = jax.pmap(lambda b: run(multi, b), axis_name="d",
-                 devices=jax.devices()[:r])(split)
+                 devices=devices)(split)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_allclose(b[0], a, rtol=2e-4, atol=1e-6)
     np.testing.assert_array_equal(b[0], b[1])

@@ -250,23 +250,13 @@ def test_matrix_powers_and_cholesky_compose():
       state, est.multiply_cholesky(state, v)), v, rtol=1e-9)
 
 
-def _sub_jaxprs(eqn):
-  """The jaxprs in an equation's params (what
-  ``jax.extend.core.jaxprs_in_params`` gives from jax 0.10 on)."""
-  for p in eqn.params.values():
-    for sub in p if isinstance(p, (tuple, list)) else (p,):
-      inner = getattr(sub, "jaxpr", sub)
-      if hasattr(inner, "eqns"):
-        yield inner
-
-
 def _count_forward_matmuls(jaxpr, lhs_shape, rhs_shape):
   count = 0
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general" and tuple(
         v.aval.shape for v in eqn.invars) == (lhs_shape, rhs_shape):
       count += 1
-    for sub in _sub_jaxprs(eqn):
+    for sub in helpers.sub_jaxprs(eqn):
       count += _count_forward_matmuls(sub, lhs_shape, rhs_shape)
   return count
 
@@ -276,7 +266,7 @@ def _dot_operand_ranks(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       ranks.update(v.aval.ndim for v in eqn.invars)
-    for sub in _sub_jaxprs(eqn):
+    for sub in helpers.sub_jaxprs(eqn):
       ranks |= _dot_operand_ranks(sub)
   return ranks
 

@@ -1,7 +1,12 @@
 """Smoke tests: the examples run end to end with tiny sizes."""
 
 import math
+import os
+import subprocess
+import sys
 
+import jax
+import numpy as np
 import pytest
 
 from tests import helpers
@@ -77,6 +82,26 @@ def test_flax_cnn_classifier_runs(mnist, capsys):
   assert "found by" in capsys.readouterr().out  # describe() was printed.
 
 
+def test_equinox_cnn_runs(mnist, tmp_path, capsys):
+  pytest.importorskip("equinox")
+  ex = _load_example("equinox_cnn")
+  png = tmp_path / "eqx.png"
+  results = ex.main(["--steps", "3", "--batch-size", "16", "--channels",
+                     "2", "--hidden", "8", "--eval-examples", "64",
+                     "--window", "2", "--log-every", "1", "--plot",
+                     str(png), *mnist])
+  k, a = results["kfac"], results["adam"]
+  for run in (k, a):
+    assert len(run["losses"]) == len(run["times"]) == 3
+    assert _finite(run["losses"]) and run["first_call_s"] > 0
+  # Untagged: every Equinox layer recognised, none generic.
+  assert [kind for _, kind, _ in results["layers"]] == [
+      "conv", "conv", "scale_and_shift", "fully_connected",
+      "fully_connected"]
+  assert png.stat().st_size > 0
+  assert "K-FAC reached it" in capsys.readouterr().out
+
+
 def test_nnx_mlp_runs(mnist):
   pytest.importorskip("flax")
   nnx_mlp = _load_example("nnx_mlp")
@@ -124,3 +149,71 @@ def test_char_gpt_races_kfac_and_adamw(tmp_path, capsys):
   assert png.stat().st_size > 0
   out = capsys.readouterr().out
   assert "--- kfac sample ---" in out and "at 6 steps: K-FAC" in out
+
+
+def test_char_gpt_dropout_is_per_sequence_and_off_without_seeds():
+  pytest.importorskip("flax")
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  char_gpt = _load_example("char_gpt")
+  args = char_gpt.parse_args(["--width", "16", "--heads", "2", "--layers",
+                              "1", "--context", "8", "--batch-size", "4",
+                              "--dropout", "0.5"])
+  s = char_gpt.setup(args)
+  batch = s["batch_fn"](0)
+  assert batch["seed"].shape == (4,)
+  x = s["new_model"]().tok(batch["x"])
+  keys = jax.vmap(jax.random.PRNGKey)(batch["seed"])
+  dropped = np.asarray(char_gpt.dropout(x, 0.5, keys, 0))
+  # A sequence's mask depends on its own key only: the first two rows drop
+  # the same entries whether or not the other rows come along.
+  np.testing.assert_array_equal(char_gpt.dropout(x[:2], 0.5, keys[:2], 0),
+                                dropped[:2])
+  kept = dropped != 0
+  assert 0.3 < kept.mean() < 0.7
+  np.testing.assert_allclose(dropped[kept], 2 * np.asarray(x)[kept],
+                             rtol=1e-6)
+  # With seeds (training) the loss has dropout; without them (evaluation)
+  # it is that of the same weights in a model built without dropout.
+  plain = {k: v for k, v in batch.items() if k != "seed"}
+  bare = char_gpt.GPT(65, args.context, args.width, args.layers, args.heads,
+                      rngs=nnx.Rngs(0))
+  bare_loss = char_gpt.make_loss_fn(nnx.split(bare, nnx.Param)[0])
+  loss = s["loss_fn"]
+  assert float(loss(s["params"], batch)) != float(loss(s["params"], plain))
+  assert float(loss(s["params"], plain)) == pytest.approx(
+      float(bare_loss(s["params"], plain)), rel=1e-6)
+
+
+def test_nanogpt_race_smoke_prints_table_and_plot(tmp_path):
+  """benchmarks/nanogpt_race.py --smoke, twice with one compilation cache:
+  the table's numbers parse, the PNG exists, the second run's first calls
+  come from the cache."""
+  pytest.importorskip("flax")
+  pytest.importorskip("matplotlib")
+  root = helpers.ROOT
+  png = tmp_path / "race.png"
+  cmd = [sys.executable, str(root / "benchmarks" / "nanogpt_race.py"),
+         "--smoke", "--plot", str(png), "--compilation-cache",
+         str(tmp_path / "cache")]
+  env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  for attempt, cache in (("cold", "miss"), ("warm", "hit")):
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                         timeout=600, check=True).stdout
+    assert "device: " in out and "jax " in out, out
+    assert out.count("valid adamw") == 4, out  # a line every 10 steps
+    rows = [l.split("|")[1:-1] for l in out.splitlines()
+            if l.startswith(("| adamw", "| kfac_adamw"))]
+    assert [r[0].strip() for r in rows] == ["adamw", "kfac_adamw"], out
+    for r in rows:
+      best, step, median, first = (float(r[1]), int(r[2]), float(r[6]),
+                                   float(r[7]))
+      assert math.isfinite(best) and 0 < best < math.log(65) + 0.5, r
+      assert 0 <= step <= 40 and step % 10 == 0, r
+      assert 0 < median / 1e3 < first, r  # ms against s
+      assert r[8].strip().startswith(cache), (attempt, r)
+    adam = rows[0]
+    # AdamW reaches its own best at the step where it has it.
+    assert int(adam[3]) == int(adam[2]) and float(adam[4]) > 0, adam
+    assert png.stat().st_size > 0
+    png.unlink()

@@ -64,8 +64,9 @@ import pytest
 
 import kfac_jax_lite as kl
 from kfac_jax_lite import kinds
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 from tests import generated_models as gm
+from tests import helpers
 
 DTYPES = ("float32", "bfloat16", "float16")
 SLOW_DTYPES = DTYPES + ("float64",)
@@ -157,7 +158,7 @@ def plan(tier: str) -> list:
       dtype=_balanced(DTYPES if tier == "default" else SLOW_DTYPES, n, rng),
       loss=_balanced(gm.LOSSES, n, rng),
       masked=_balanced((False, True), n, rng),
-      mode=_balanced(statistics.MODES, n, rng),
+      mode=_balanced(linearization.MODES, n, rng),
       dist=_balanced(PLANNED_DISTS, n, rng),
       period=_balanced((1, 2), n, rng),
       feed=_balanced(("batch", "stats"), n, rng))
@@ -263,7 +264,8 @@ def _runner(structure: Structure) -> Runner:
     return direction, state, products
 
   if axis:
-    runner.fn = jax.pmap(step, axis, devices=jax.devices()[:s.dist.replicas])
+    runner.fn = jax.pmap(step, axis,
+                         devices=helpers.replica_devices(s.dist.replicas))
   else:
     runner.fn = jax.jit(step)
   return runner
@@ -419,7 +421,8 @@ def _check(structure: Structure, nums: Numbers) -> None:
   if r:
     # Placed as pmap places its outputs, so that a state coming out of a
     # step is passed in as the initial state was.
-    sharding = NamedSharding(Mesh(np.array(jax.devices()[:r]), ("d",)),
+    sharding = NamedSharding(Mesh(np.array(helpers.replica_devices(r)),
+                                  ("d",)),
                              PartitionSpec("d"))
     rep = lambda t: jax.device_put(jax.tree.map(  # noqa: E731
         lambda a: np.stack([np.asarray(a)] * r), t), sharding)
@@ -483,9 +486,16 @@ SEEN = {"default": set(), "slow": set()}
 
 
 def _run_tier(tier: str, structure: Structure) -> None:
-  if structure.dist.replicas > jax.device_count():
-    pytest.skip(f"needs {structure.dist.replicas} devices (tests/conftest.py "
-                "sets 4)")
+  """``PER_STRUCTURE[tier]`` configurations of ``structure``. A structure
+  under ``pmap`` runs on ``helpers.replica_devices`` (the simulated CPU
+  devices beside one GPU), with its arrays and eager ops there too."""
+  replicas = structure.dist.replicas
+  with (helpers.on_replica_devices(replicas) if replicas
+        else contextlib.nullcontext()):
+    _run_configurations(tier, structure)
+
+
+def _run_configurations(tier: str, structure: Structure) -> None:
   seen = set()
 
   # A fixed seed per structure: a reproducible run, and different numbers
@@ -525,7 +535,7 @@ def test_plans_cover_the_registry_and_reach_the_targets():
                           ("uses", gm.USES), ("masked", (False, True))):
       assert {getattr(s.model, field) for s in structures} >= set(values), (
           tier, field)
-    assert {s.mode for s in structures} == set(statistics.MODES), tier
+    assert {s.mode for s in structures} == set(linearization.MODES), tier
     assert {s.dist for s in structures} >= set(DISTS), tier
     # Each structure must run PER_STRUCTURE distinct configurations.
     assert len(structures) * PER_STRUCTURE[tier] >= TARGET[tier], tier

@@ -1,7 +1,9 @@
 """Named regression tests for the failures the generated suite found.
 
 Each test is the smallest configuration of ``tests/test_generated.py`` that
-failed, checked against an independent reference where one exists.
+failed, checked against an independent reference where one exists. The
+``pmap`` tests run on ``helpers.replica_devices`` (the simulated CPU
+devices beside one GPU), their one-device references there too.
 """
 
 import jax
@@ -15,6 +17,7 @@ from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import distributed
 from tests import blocks_helpers as bh
 from tests import generated_models as gm
+from tests import helpers
 
 R = 2
 
@@ -22,7 +25,7 @@ R = 2
 def _on_replicas(tree, split):
   """``tree`` on ``R`` devices as ``pmap`` takes it: each leaf split along
   its batch axis (``split``) or replicated."""
-  sharding = NamedSharding(Mesh(np.array(jax.devices()[:R]), ("d",)),
+  sharding = NamedSharding(Mesh(np.array(helpers.replica_devices(R)), ("d",)),
                            PartitionSpec("d"))
   place = (lambda a: np.asarray(a).reshape((R, -1) + a.shape[1:])) if split \
       else (lambda a: np.stack([np.asarray(a)] * R))
@@ -37,8 +40,11 @@ def test_grouped_conv_exact_statistics_under_pmap_match_one_device(kind):
   ``NotImplementedError``: JAX has no batching rule for the kernel
   transpose of a grouped convolution under ``shard_map``. They now equal
   the statistics of the whole batch on one device."""
-  if jax.device_count() < R:
-    pytest.skip(f"needs {R} devices (tests/conftest.py sets them)")
+  with helpers.on_replica_devices(R) as devices:
+    _check_grouped_conv_exact_statistics(kind, devices)
+
+
+def _check_grouped_conv_exact_statistics(kind, devices):
   spec = gm.ModelSpec(kind, "kron")
   loss = gm.make_loss(spec)
   params, batch = gm.make_params(spec, 0), gm.make_batch(spec, 1)
@@ -51,7 +57,7 @@ def test_grouped_conv_exact_statistics_under_pmap_match_one_device(kind):
     return lambda p, b: est.update_curvature(est.init(p), p, b, rng).stacked
 
   want = jax.jit(factors(None))(params, batch)
-  got = jax.pmap(factors("d"), "d", devices=jax.devices()[:R])(
+  got = jax.pmap(factors("d"), "d", devices=devices)(
       _on_replicas(params, False), _on_replicas(batch, True))
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(g[1], g[0])
@@ -69,7 +75,7 @@ def _directions(collection, loss, params, batches, stats_sync):
     grads = jax.lax.pmean(jax.grad(loss)(p, batch), "d")
     return tx.update(grads, state, p, batch=batch)
 
-  fn = jax.pmap(step, "d", devices=jax.devices()[:R])
+  fn = jax.pmap(step, "d", devices=helpers.replica_devices(R))
   p = _on_replicas(params, False)
   state = _on_replicas(tx.init(params), False)
   out = []
@@ -89,8 +95,11 @@ def test_before_refresh_directions_agree_across_replicas(kind, approx):
   replicas' updates, and so their parameters, drifted apart. Now every
   replica's direction is the same, and equals ``every_update``'s (the
   average of the replicas' EMAs is the EMA of the averaged statistics)."""
-  if jax.device_count() < R:
-    pytest.skip(f"needs {R} devices (tests/conftest.py sets them)")
+  with helpers.on_replica_devices(R):
+    _check_before_refresh_directions(kind, approx)
+
+
+def _check_before_refresh_directions(kind, approx):
   spec = gm.ModelSpec(kind, approx, loss="normal")
   loss = gm.make_loss(spec)
   params = gm.make_params(spec, 0)

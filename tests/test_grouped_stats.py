@@ -20,7 +20,7 @@ from kfac_jax_lite import _xla_cpu
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import grouping
 from kfac_jax_lite import keys
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 from tests import helpers
 from tests import problems
 
@@ -42,7 +42,7 @@ def _estimator(sizes=SIZES, **kwargs):
 def _per_layer_stats(est, params, batch, rng):
   """Each block's compute_stats on its own LayerData (no grouping)."""
   lin = est.linearize(params, batch)
-  p = statistics.statistics_pass(
+  p = linearization.statistics_pass(
       lin, est.blocks, rng, est.estimation_mode, est.num_samples, False)
   return tuple(b.compute_stats(d) for b, d in zip(est.blocks, p.layer_data))
 

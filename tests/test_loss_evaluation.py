@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kl
+from tests import helpers
 
 B, T, D, E = 4, 3, 3, 5
 
@@ -111,7 +112,8 @@ def test_axis_name_averages_over_replicas():
   col = kl.scan(loss_fn, params, batch, has_aux=True)
   shards = jax.tree.map(lambda x: x.reshape((2, B // 2) + x.shape[1:]),
                         batch)
-  got = jax.pmap(lambda b: kl.total_loss(col, params, b, axis_name="i"),
-                 axis_name="i")(shards)
-  np.testing.assert_allclose(got, kl.total_loss(col, params, batch),
-                             rtol=1e-12)
+  with helpers.on_replica_devices(2) as devices:
+    got = jax.pmap(lambda b: kl.total_loss(col, params, b, axis_name="i"),
+                   axis_name="i", devices=devices)(shards)
+    np.testing.assert_allclose(got, kl.total_loss(col, params, batch),
+                               rtol=1e-12)

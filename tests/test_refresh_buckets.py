@@ -109,6 +109,7 @@ def _lapack_calls(text):
 
 
 @pytest.mark.perf
+@pytest.mark.cpu_only  # XLA:CPU's LAPACK calls.
 def test_refresh_program_has_one_factorisation_size_per_bucket():
   est, state = _estimator_and_state(exps=(-1,))
   factor_sizes = {f.shape[0] for s in state.blocks for f in (s.a, s.g)}
@@ -126,6 +127,7 @@ def test_refresh_program_has_one_factorisation_size_per_bucket():
 
 
 @pytest.mark.perf
+@pytest.mark.cpu_only  # XLA:CPU's LAPACK calls.
 def test_the_transforms_refresh_through_the_buckets_too():
   """``scale_by_kfac`` keeps its state grouped (Curvature.step); layers
   without a same-shaped twin still share padded buckets there."""

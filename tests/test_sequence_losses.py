@@ -17,7 +17,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from tests import problems
-from kfac_jax_lite import statistics
+from kfac_jax_lite import linearization
 
 B, T, D, H, E = problems.SEQUENCE_SHAPE
 KINDS = ("categorical", "normal", "multi_bernoulli")
@@ -219,7 +219,7 @@ def test_quadratic_model_gram_is_the_users_ggn(masked):
       lin = est.linearize(p, b, with_jvp=True)
       jvs = jax.tree.map(lambda *x: jnp.stack(x),
                          *[lin.output_jvp(v) for v in vs])
-      return statistics.output_fisher_gram(lin, jvs)
+      return linearization.output_fisher_gram(lin, jvs)
     got = jax.jit(gram)(params, batch)
     flat_vs = jnp.stack([jax.flatten_util.ravel_pytree(v)[0] for v in vs])
     np.testing.assert_allclose(got, flat_vs @ want @ flat_vs.T, rtol=1e-9)

@@ -319,13 +319,14 @@ def test_replicas_skip_together(problem):
 
   n = 2
   rep = lambda t: jax.tree.map(lambda x: jnp.stack([x] * n), t)  # noqa: E731
-  x, y = batches[0]
-  split = (x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1))
-  pstep = jax.pmap(step, axis_name=axis, devices=jax.devices()[:n])
-  state = rep(tx.init(params))
-  for poison in (False, True):
-    _, state = pstep(rep(params), state, split,
-                     jnp.array([poison] * n))
+  with helpers.on_replica_devices(n) as devices:
+    x, y = batches[0]
+    split = (x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1))
+    pstep = jax.pmap(step, axis_name=axis, devices=devices)
+    state = rep(tx.init(params))
+    for poison in (False, True):
+      _, state = pstep(rep(params), state, split,
+                       jnp.array([poison] * n))
   np.testing.assert_array_equal(state.num_skipped, [1, 1])
   np.testing.assert_array_equal(state.inner[0].count, [1, 1])
   np.testing.assert_array_equal(state.inner[0].num_inverse_updates, [1, 1])

@@ -96,6 +96,30 @@ def test_bad_minimum_names_the_argument(bad):
     kl.FisherEstimator(collection, stats_min_examples=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "4"])
+def test_bad_position_stride_names_the_argument(bad):
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  with pytest.raises(ValueError, match=r"stats_position_stride=.*positive"):
+    kl.FisherEstimator(collection, stats_position_stride=bad)
+  with pytest.raises(ValueError, match="stats_position_stride"):
+    kl.kfac_adamw(1e-3, collection, stats_position_stride=bad)
+
+
+def test_position_stride_never_drops_examples():
+  """One row per example (no positions): every stride keeps every row."""
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  est = kl.FisherEstimator(collection, stats_position_stride=2)
+  with pytest.raises(ValueError, match="stats_position_stride=2"):
+    kl.kfac_adamw(1e-3, collection, stats_position_stride=2, estimator=est)
+  stats = [kl.FisherEstimator(collection, stats_position_stride=k)
+           .compute_stats(params, batch, jax.random.PRNGKey(1))
+           for k in (1, 2)]
+  jax.tree.map(np.testing.assert_array_equal, stats[0].stacked,
+               stats[1].stacked)
+
+
 @pytest.mark.parametrize("batch_size,fraction,minimum,rows", [
     (500, 0.25, 64, 125), (200, 0.25, 64, 64), (40, 0.25, 64, 40),
     (8, 0.5, 1, 4), (8, 0.3, 1, 3), (10, 1.0, 64, 10)])

@@ -10,6 +10,7 @@ import pytest
 from jax.test_util import check_grads
 
 import kfac_jax_lite as kl
+from tests import helpers
 
 
 def _dense(w, b, x, tag):
@@ -86,16 +87,15 @@ def test_cond(setup):
 
 
 def test_pmap_two_devices(setup):
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  params, x = setup
-  xs = jnp.stack([x, x + 1.0])
+  with helpers.on_replica_devices(2) as devices:
+    params, x = jax.tree.map(np.asarray, setup)  # Placed in the block.
+    xs = jnp.stack([x, x + 1.0])
 
-  def run(m, p, xs):
-    g = jax.pmap(lambda xi: jax.lax.pmean(jax.grad(m)(p, xi), "d"),
-                 axis_name="d")(xs)
-    return g
-  _assert_same(run, (params, xs))
+    def run(m, p, xs):
+      g = jax.pmap(lambda xi: jax.lax.pmean(jax.grad(m)(p, xi), "d"),
+                   axis_name="d", devices=devices)(xs)
+      return g
+    _assert_same(run, (params, xs))
 
 
 def test_tag_metadata_is_static():

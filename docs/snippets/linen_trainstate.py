@@ -1,7 +1,6 @@
 import flax.linen as nn
 from flax.training import train_state
 import jax
-import jax.numpy as jnp
 import optax
 import kfac_jax_lite as kl
 

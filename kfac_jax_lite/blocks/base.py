@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
+from typing import (Any, Callable, NamedTuple, Optional, Protocol,
+                    runtime_checkable)
 
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite import trees
@@ -52,12 +54,17 @@ class LayerData(NamedTuple):
       ``needs_param_grads`` get ``param_grads`` summed over the *global*
       batch (all replicas) and ``batch_size`` the global batch size; inputs
       and output gradients are always this replica's.
+    row_draw: a ``[]`` float32 uniform draw in ``(0, 1)``, fresh each
+      statistics pass, from which blocks that average over a strided subset
+      of their rows pick the offset (``BlockConfig.stats_position_stride``);
+      None: every row.
   """
   inputs: tuple
   grads: tuple
   params: tuple
   param_grads: tuple
   batch_size: int
+  row_draw: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +77,16 @@ class BlockConfig:
     compute_cholesky_inverse: cache their inverses.
     damping_type: ``"pi"`` (factored Tikhonov with pi-adjustment) or
       ``"exact"`` (``(c A⊗G + λI)^e`` through eigendecompositions).
+    stats_position_stride: ``k``: dense Kronecker factors average every
+      ``k``-th of their rows from an offset drawn from
+      :attr:`LayerData.row_draw` (:func:`.kronecker.strided_rows`); None:
+      ``k`` is chosen per platform when lowering (1 on CPU, 4 elsewhere).
   """
   exps: tuple = (-1,)
   compute_cholesky: bool = False
   compute_cholesky_inverse: bool = False
   damping_type: str = "pi"
+  stats_position_stride: Optional[int] = 1
 
   def __post_init__(self):
     if self.damping_type not in DAMPING_TYPES:
@@ -131,7 +143,7 @@ def check_cached(block, flag: str, what: str):
         "estimator (the factors are computed in update_cache).")
 
 
-def ema_update(state, factors: dict, stats: dict, decay):
+def ema_update(state, factors: tuple, stats: dict, decay):
   """EMA of the named factor fields; non-finite stats leave state as is."""
   finite = trees.all_finite(stats)
   old = {k: getattr(state, k) for k in factors}
@@ -170,6 +182,41 @@ def rows_per_example(num_rows: int, batch_size: int, what: str) -> int:
         f"batch_size={batch_size}. Every recorded input must have the batch "
         "as its leading axis.")
   return num_rows // batch_size
+
+
+def kernel_to_mat(w, perm, d_in: int, d_out: int):
+  """A dense kernel leaf as the ``[d_in, d_out]`` matrix of ``y = x W``.
+
+  ``perm`` lists the leaf's axes in ``[*in_axes, *out_axes]`` order (None:
+  they are in that order already): Equinox's ``Linear`` keeps ``[d_out,
+  d_in]`` and applies ``w @ x`` (``perm = (1, 0)``); the matrix is the one
+  of the same layer written ``x @ w.T``.
+  """
+  if perm is not None:
+    w = jnp.transpose(w, perm)
+  return w.reshape(d_in, d_out)
+
+
+def mat_to_kernel(m, perm, shape: tuple):
+  """The inverse of :func:`kernel_to_mat`: ``[..., d_in, d_out]`` matrices
+  back to kernels of the leaf's ``shape`` (leading axes kept)."""
+  lead = m.shape[:-2]
+  if perm is None:
+    return m.reshape(lead + tuple(shape))
+  m = m.reshape(lead + tuple(shape[a] for a in perm))
+  inv = [perm.index(a) for a in range(len(perm))]
+  return jnp.transpose(m, tuple(range(len(lead))) + tuple(
+      len(lead) + i for i in inv))
+
+
+def kernel_ravel_index(perm, shape: Optional[tuple], d_in: int, d_out: int):
+  """Where each entry of the ``[d_in, d_out]`` matrix sits in the leaf's
+  ravel order (None when the orders agree)."""
+  if perm is None:
+    return None
+  assert shape is not None  # a permuted kernel always records its shape
+  idx = np.arange(int(math.prod(shape))).reshape(shape)
+  return np.transpose(idx, perm).reshape(d_in, d_out)
 
 
 def with_bias_row(m, b):
@@ -222,12 +269,15 @@ class Block(Protocol):
 
   def multiply_matpower(self, state, v: tuple, exp) -> tuple:
     """``(F + damping)^exp v`` (exp 1: the live factors)."""
+    ...
 
   def multiply(self, state, v: tuple) -> tuple:
     """``multiply_matpower(state, v, 1)``."""
+    ...
 
   def multiply_inverse(self, state, v: tuple) -> tuple:
     """``multiply_matpower(state, v, -1)``."""
+    ...
 
   def full_fisher_block(self, state) -> Any:
     """The undamped dense block, in ravel order of the layer's params."""
@@ -259,12 +309,15 @@ class FactorBucketed(Protocol):
 
   def factor_requests(self, state) -> tuple:
     """``((name, matrix), ...)``: the dense factors to refresh."""
+    ...
 
   def factor_dampings(self, state, damping, trace_norms: dict) -> dict:
     """``{name: d}``: each factor's share of the damping."""
+    ...
 
   def factor_cache(self, f, d) -> dict:
     """One factor's cache entries, a function of ``f`` and ``d`` only."""
+    ...
 
   def with_factor_caches(self, state, damping, caches: dict,
                          dampings: Optional[dict] = None) -> Any:
@@ -285,6 +338,7 @@ class FusedProduct(Protocol):
 
   def finish_product(self, raw, like: tuple) -> tuple:
     """The layer's parameter tuple from the raw product."""
+    ...
 
 
 # ---------------------------------------------------------------------------
@@ -294,6 +348,7 @@ class FusedProduct(Protocol):
 
 class Shorthands:
   """``multiply`` and ``multiply_inverse`` from ``multiply_matpower``."""
+  multiply_matpower: Callable[..., tuple]  # the block's own
 
   def multiply(self, state, v):
     return self.multiply_matpower(state, v, 1)
@@ -306,6 +361,7 @@ class UnfusedProducts:
   """The :class:`FusedProduct` methods of a block whose product needs no
   cut: the input is ``v`` and the raw product is the finished one. Every
   block has the three methods for callers that treat all blocks alike."""
+  multiply_matpower: Callable[..., tuple]  # the block's own
 
   def product_input(self, v: tuple) -> Any:
     return v

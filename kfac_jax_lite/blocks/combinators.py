@@ -141,7 +141,7 @@ class StackAxis:
     def one(inputs, grads, params, param_grads):
       return inner.compute_stats(base.LayerData(
           inputs=inputs, grads=grads, params=params, param_grads=param_grads,
-          batch_size=data.batch_size))
+          batch_size=data.batch_size, row_draw=data.row_draw))
     return jax.vmap(one)(data.inputs, data.grads, data.params,
                          data.param_grads)
 

@@ -16,7 +16,7 @@ by the second moments of the per-example gradients in that basis,
 which is :math:`\\mathrm{diag}(U^T F U)` for the empirical block
 :math:`F = \\frac1B \\sum \\mathrm{vec}\\nabla W \\mathrm{vec}\\nabla W^T`
 (the sum runs over examples ``b`` and sources ``s'``: sampled targets,
-exact-mode columns; see :mod:`kfac_jax_lite.statistics`). Among all
+exact-mode columns; see :mod:`kfac_jax_lite.linearization`). Among all
 matrices diagonal in the basis ``U`` it is the one closest to ``F`` in
 Frobenius norm, so it is no further from ``F`` than K-FAC's (paper,
 Theorem 1; checked in tests/test_ekfac.py).
@@ -75,7 +75,7 @@ again for the projections, and ``B d_a d_g`` (``R = 1``) or ``S N d_a d_g``
 K-FAC with ``damping_type="exact"``) plus ``d_a³ + d_g³`` for the carry-over;
 per product ``2 (d_a² d_g + d_a d_g²)``, twice a ``"pi"`` K-FAC product (as
 K-FAC's with ``damping_type="exact"``). Under data parallelism the rows are
-gathered over the replicas (:mod:`kfac_jax_lite.statistics`), not averaged.
+gathered over the replicas (:mod:`kfac_jax_lite.linearization`), not averaged.
 """
 
 from __future__ import annotations

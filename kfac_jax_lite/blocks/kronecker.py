@@ -28,6 +28,11 @@ locations, known only from the data), kept in the state with the factors.
 Either factor may be kept diagonal (``kron_in_diag``, ``kron_out_diag``,
 ``kron_both_diag``), stored as a vector.
 
+A dense layout's factors may average every ``k``-th of their rows only,
+from an offset drawn at each statistics pass
+(``BlockConfig.stats_position_stride``, :func:`strided_rows`): an unbiased
+estimate of ``A`` and ``G`` whose products cost ``k`` times fewer flops.
+
 Damping (TF K-FAC semantics): with :math:`\\lambda' = \\lambda / c`,
 ``damping_type="pi"`` uses :math:`c (A + \\pi\\sqrt{\\lambda'} I) \\otimes
 (G + \\sqrt{\\lambda'}/\\pi I)`; ``damping_type="exact"`` uses
@@ -40,11 +45,20 @@ import dataclasses
 import math
 from typing import Any, NamedTuple, Optional
 
+from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.layer import Layer
+
+
+# The stride of dense factors' rows when ``stats_position_stride`` is None,
+# per platform (chosen when lowering): every row on CPU, where the race of
+# docs/transformers.md was measured with every row; every 4th elsewhere
+# (tests/test_statistics_cost.py measures what it saves).
+PLATFORM_STRIDES = {"cpu": 1, "default": 4}
 
 
 class KroneckerState(NamedTuple):
@@ -56,8 +70,9 @@ class KroneckerState(NamedTuple):
   cache: dict           # name -> array (powers, Cholesky, eigenbases)
 
 
-def second_moment(rows, diagonal):
-  """``rowsᵀ rows / N`` (or its diagonal); ``rows`` is ``[N, d]``.
+def second_moment(rows, diagonal, count=None):
+  """``rowsᵀ rows / N`` (or its diagonal); ``rows`` is ``[n, d]``, ``N``
+  the ``count`` they stand for (default ``n``).
 
   Not symmetrised here: every consumer of a factor's inverse or
   eigenbasis symmetrises it once per refresh (:mod:`kfac_jax_lite.linalg`),
@@ -66,37 +81,87 @@ def second_moment(rows, diagonal):
   ``1/√N`` before the product, where the scaling fuses into the kernel that
   makes them (one kernel less per factor to compile).
   """
-  n = rows.shape[0]
+  n = rows.shape[0] if count is None else count
   if diagonal:
     return jnp.sum(jnp.square(rows), axis=0) / n
   rows = rows * (1.0 / math.sqrt(n))
   return rows.T @ rows
 
 
-def source_moment(rows, diagonal):
-  """``Σ_s rows_sᵀ rows_s / N`` for ``rows`` of shape ``[S, N, d]`` (not
-  symmetrised either: see :func:`second_moment`)."""
-  n = rows.shape[1]
+def source_moment(rows, diagonal, count=None):
+  """``Σ_s rows_sᵀ rows_s / N`` for ``rows`` of shape ``[S, n, d]`` (``N``
+  as in :func:`second_moment`; not symmetrised either)."""
+  n = rows.shape[1] if count is None else count
   if diagonal:
     return jnp.sum(jnp.square(rows), axis=(0, 1)) / n
-  # One [S N, d] matrix, as second_moment's: XLA:CPU emits rowsᵀ rows
+  # One [S n, d] matrix, as second_moment's: XLA:CPU emits rowsᵀ rows
   # with the transpose folded into the product, where the einsum over two
   # contracted axes first copied the rows into a transposed layout.
   rows = rows.reshape(-1, rows.shape[-1]) * (1.0 / math.sqrt(n))
   return rows.T @ rows
 
 
-def kron_stats(x, g, batch_size, a_diagonal, g_diagonal, what):
+def strided_rows(rows, axis, stride, draw):
+  """Rows ``o, o + k, o + 2k, ...`` of ``rows`` along ``axis``.
+
+  ``k = min(stride, N)`` for ``N`` rows, zero rows appended up to a
+  multiple of ``k``, and the offset ``o = ⌊k·u⌋`` from the uniform draw
+  ``u ∈ (0, 1)``. Every row is in exactly one of the ``k`` offset classes,
+  so each enters with probability ``1/k`` and, for any function ``f`` of
+  the rows (``f(0) = 0``),
+
+  .. math::
+    \\mathbb{E}_o\\Big[\\frac{k}{N} \\sum_{j} f(x_{o + jk})\\Big]
+    = \\frac{1}{N} \\sum_{n=1}^{N} f(x_n):
+
+  the strided mean with count ``N/k`` is an unbiased estimate of the mean
+  over all rows (systematic sampling; Cochran 1977, "Sampling
+  Techniques", ch. 8). ``⌊k·u⌋`` is exactly uniform for ``k`` a power of
+  two (``u`` has 24 random bits), otherwise within ``2⁻²⁴``.
+
+  Returns:
+    ``(rows', N / k)``: the selected rows (``⌈N/k⌉`` along ``axis``) and
+    the count they stand for.
+  """
+  n = rows.shape[axis]
+  k = max(1, min(int(stride), n))
+  if k == 1:
+    return rows, n
+  m = -(-n // k)
+  if m * k != n:
+    pad = [(0, 0)] * rows.ndim
+    pad[axis] = (0, m * k - n)
+    rows = jnp.pad(rows, pad)
+  shape = rows.shape[:axis] + (m, k) + rows.shape[axis + 1:]
+  offset = jnp.minimum(jnp.floor(draw * k).astype(jnp.int32), k - 1)
+  picked = lax.dynamic_index_in_dim(rows.reshape(shape), offset,
+                                    axis=axis + 1, keepdims=False)
+  return picked, n / k
+
+
+def kron_stats(x, g, batch_size, a_diagonal, g_diagonal, what,
+               stride: int = 1, draw=None):
   """Factor statistics from input rows ``[N, d_a]`` and grads ``[S, N, d_g]``.
 
   .. math::
     A = \\frac{1}{N} \\sum_n \\bar a_n \\bar a_n^T, \\quad
     G = \\frac{1}{N} \\sum_{s, n} g_{s,n} g_{s,n}^T, \\quad c = N / B
 
-  with ``N = B c`` rows (examples x uses x locations).
+  with ``N = B c`` rows (examples x uses x locations). With ``stride > 1``
+  and a ``draw``, both sums run over the rows ``o, o + k, ...`` only,
+  ``k = min(stride, c)``, and are divided by ``N/k`` (:func:`strided_rows`:
+  unbiased, ``k`` times fewer flops); ``c`` still counts every row. The
+  stride thins an example's positions, never the examples: with one row
+  per example (``c = 1``) every row is used.
   """
   c = base.rows_per_example(x.shape[0], batch_size, what)
-  return {"a": second_moment(x, a_diagonal), "g": source_moment(g, g_diagonal),
+  stride = min(stride, c)
+  count = None
+  if stride > 1 and draw is not None:
+    x, count = strided_rows(x, 0, stride, draw)
+    g, _ = strided_rows(g, 1, stride, draw)
+  return {"a": second_moment(x, a_diagonal, count),
+          "g": source_moment(g, g_diagonal, count),
           "scale": jnp.asarray(c, linalg.factor_dtype())}
 
 
@@ -111,11 +176,21 @@ class DenseLayout:
 
   Inputs ``[B, U, ..., d_in]`` give ``B·U·...`` rows; every position is a
   use of the weights, so ``c = U·...`` (summed over tag sites).
+
+  ``kernel_perm`` (with the leaf's ``kernel_shape``) is for a kernel kept in
+  another layout than ``[*in_axes, *out_axes]``: Equinox's ``Linear`` holds
+  ``[d_out, d_in]`` and computes ``w @ x`` (``kernel_perm = (1, 0)``). ``W``
+  is then the kernel of the same layer written ``x @ w.T``, so the factors,
+  the curvature and the direction do not depend on how the product was
+  written (the inputs and output gradients the scanner records are in the
+  ``[..., d_in]`` / ``[..., d_out]`` layout either way).
   """
   d_in: int
   d_out: int
   has_bias: bool
   num_uses: int
+  kernel_perm: Optional[tuple] = None
+  kernel_shape: Optional[tuple] = None
 
   @property
   def a_dim(self) -> int:
@@ -130,15 +205,27 @@ class DenseLayout:
     return self.num_uses
 
   def to_mat(self, v: tuple):
-    w = v[0].astype(linalg.factor_dtype()).reshape(self.d_in, self.d_out)
+    w = base.kernel_to_mat(v[0].astype(linalg.factor_dtype()),
+                           self.kernel_perm, self.d_in, self.d_out)
     return base.with_bias_row(w, v[1] if self.has_bias else None)
 
   def from_mat(self, m, like: tuple) -> tuple:
-    return base.vector_dtype_cast(
-        base.split_bias_row(m, self.d_in, self.has_bias), like)
+    w, *b = base.split_bias_row(m, self.d_in, self.has_bias)
+    if self.kernel_perm is not None:
+      assert self.kernel_shape is not None  # recorded with kernel_perm
+      w = base.mat_to_kernel(w, self.kernel_perm, self.kernel_shape)
+    return base.vector_dtype_cast((w, *b), like)
 
   def ravel_index(self):
-    return None  # [w; b] row-major is the ravel order of (w, b).
+    """None when ``[w; b]`` row-major is the ravel order of ``(w, b)``."""
+    idx = base.kernel_ravel_index(self.kernel_perm, self.kernel_shape,
+                                  self.d_in, self.d_out)
+    if idx is None:
+      return None
+    n = idx.size
+    rows = [idx] + ([np.arange(n, n + self.d_out)[None]]
+                    if self.has_bias else [])
+    return np.concatenate(rows, axis=0).reshape(-1)
 
   def rows(self, data: base.LayerData):
     """Input rows ``[N, d_a]`` and gradient rows ``[S, N, d_g]``."""
@@ -151,10 +238,13 @@ class DenseLayout:
                          for gr in data.grads], axis=1)
     return x, g
 
-  def factor_stats(self, data, a_diagonal, g_diagonal) -> dict:
+  def factor_stats(self, data, a_diagonal, g_diagonal,
+                   stride: int = 1) -> dict:
+    """:func:`kron_stats` of :meth:`rows`; ``stride``: every ``k``-th row
+    from an offset drawn from ``data.row_draw``."""
     x, g = self.rows(data)
     return kron_stats(x, g, data.batch_size, a_diagonal, g_diagonal,
-                      "dense layer")
+                      "dense layer", stride, data.row_draw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +279,15 @@ class ReduceDenseLayout(DenseLayout):
   @property
   def init_scale(self) -> int:
     return 1
+
+  def factor_stats(self, data, a_diagonal, g_diagonal,
+                   stride: int = 1) -> dict:
+    """Every per-example row (``stride`` is ignored: ``B`` rows are
+    already few)."""
+    del stride
+    x, g = self.rows(data)
+    return kron_stats(x, g, data.batch_size, a_diagonal, g_diagonal,
+                      "dense layer")
 
   def rows(self, data: base.LayerData):
     """Per-example rows: mean inputs ``[B, d_a]``, summed gradients
@@ -247,7 +346,7 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
   :class:`~.base.CholeskyProducts`, :class:`~.base.FactorBucketed` and
   :class:`~.base.FusedProduct` (its product is the ``[d_a, d_g]`` matrix).
   """
-  layer: Layer
+  layer: Optional[Layer]  # None for a part of another block
   config: base.BlockConfig
   layout: Any
   a_diagonal: bool = False
@@ -284,7 +383,22 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
                           damping=jnp.zeros((), dt), cache=cache)
 
   def compute_stats(self, data: base.LayerData) -> dict:
-    return self.layout.factor_stats(data, self.a_diagonal, self.g_diagonal)
+    """The layout's factor statistics; a dense layout's from every
+    ``k``-th row when ``config.stats_position_stride`` is ``k > 1`` and
+    ``data.row_draw`` is given (:func:`strided_rows`), ``k`` chosen when
+    lowering if the stride is None (:data:`PLATFORM_STRIDES`)."""
+    stride = self.config.stats_position_stride
+    if (stride == 1 or data.row_draw is None
+        or not isinstance(self.layout, DenseLayout)):
+      return self.layout.factor_stats(data, self.a_diagonal, self.g_diagonal)
+    strided = lambda k: lambda: self.layout.factor_stats(  # noqa: E731
+        data, self.a_diagonal, self.g_diagonal, k)
+    if stride is not None:
+      return strided(stride)()
+    return lax.platform_dependent(
+        default=strided(PLATFORM_STRIDES["default"]),
+        **{p: strided(k) for p, k in PLATFORM_STRIDES.items()
+           if p != "default"})
 
   def update_curvature(self, state, stats, ema_decay):
     return base.ema_update(state, self.factor_fields, stats, ema_decay)
@@ -474,21 +588,40 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
     return to_ravel_order(f, self.layout.ravel_index())
 
 
-def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
-  """The Kronecker block of a (possibly multi-use) dense layer."""
-  w_shape = layer.param_shapes[0]
-  # Recognised DenseGeneral kernels [*in_axes, *out_axes] say how many
-  # leading axes are inputs; the matrix is the row-major reshape.
-  k = layer.meta_dict.get("kernel_in_axes")
+def dense_dims(layer: Layer) -> tuple:
+  """``(d_in, d_out, kernel_perm)`` of a dense layer's kernel.
+
+  A recognised kernel may say (in its metadata) which of its axes are
+  inputs: ``kernel_perm`` orders the leaf's axes as ``[*in_axes,
+  *out_axes]`` (Equinox's ``[d_out, d_in]``: ``(1, 0)``) and
+  ``kernel_in_axes`` counts the input axes (DenseGeneral's ``[*in_axes,
+  *out_axes]``); the matrix is the row-major reshape of the ordered kernel.
+
+  Raises:
+    ValueError: for a kernel that is not rank 2 and says neither.
+  """
+  w_shape = tuple(layer.param_shapes[0])
+  meta = layer.meta_dict
+  perm = meta.get("kernel_perm")
+  k = meta.get("kernel_in_axes")
   if k is None and len(w_shape) != 2:
     raise ValueError(
         f"Layer {layer.name!r} has kernel shape {w_shape}; a Kronecker block "
         "needs a rank-2 [d_in, d_out] kernel. Register it with "
         "register_generic(...) or pass approx='diagonal'.")
   k = 1 if k is None else k
-  layout = DenseLayout(d_in=math.prod(w_shape[:k]),
-                       d_out=math.prod(w_shape[k:]),
-                       has_bias=layer.has_bias, num_uses=layer.num_uses)
+  shape = w_shape if perm is None else tuple(w_shape[a] for a in perm)
+  perm = None if perm is None else tuple(perm)
+  return math.prod(shape[:k]), math.prod(shape[k:]), perm
+
+
+def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
+  """The Kronecker block of a (possibly multi-use) dense layer."""
+  d_in, d_out, perm = dense_dims(layer)
+  layout = DenseLayout(d_in=d_in, d_out=d_out, has_bias=layer.has_bias,
+                       num_uses=layer.num_uses, kernel_perm=perm,
+                       kernel_shape=tuple(layer.param_shapes[0])
+                       if perm is not None else None)
   approx = layer.approx
   return KroneckerBlock(
       layer=layer, config=config, layout=layout,
@@ -503,4 +636,5 @@ def dense_reduce_block(layer: Layer, config: base.BlockConfig
   lay = expand.layout
   return dataclasses.replace(expand, layout=ReduceDenseLayout(
       d_in=lay.d_in, d_out=lay.d_out, has_bias=lay.has_bias,
-      num_uses=lay.num_uses))
+      num_uses=lay.num_uses, kernel_perm=lay.kernel_perm,
+      kernel_shape=lay.kernel_shape))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Optional
 
 import jax.numpy as jnp
 
@@ -54,6 +55,9 @@ def site_rows(x, batch_axes: int, d: int):
 class FromSource:
   """What a block fed by a per-example ``source`` over ``param_shapes``
   derives from them (diagonal and full blocks)."""
+  # Declared for type checkers: the subclass's fields.
+  source: Any
+  param_shapes: tuple
 
   @property
   def num_params(self) -> int:
@@ -93,7 +97,16 @@ class DenseGrads:
   d_in: int
   d_out: int
   has_bias: bool
+  kernel_perm: Optional[tuple] = None    # see kronecker.DenseLayout
+  kernel_shape: Optional[tuple] = None
   needs_param_grads = False
+
+  def _kernel(self, m):
+    """``[..., d_in, d_out]`` matrices as kernels of the leaf's layout."""
+    if self.kernel_perm is None:
+      return m
+    assert self.kernel_shape is not None  # recorded with kernel_perm
+    return base.mat_to_kernel(m, self.kernel_perm, self.kernel_shape)
 
   def _rows(self, data):
     dt = linalg.factor_dtype()
@@ -105,7 +118,7 @@ class DenseGrads:
 
   def per_example(self, data: base.LayerData) -> tuple:
     x, g = self._rows(data)
-    out = (fold_sources(jnp.einsum("bri,sbro->sbio", x, g)),)
+    out = (self._kernel(fold_sources(jnp.einsum("bri,sbro->sbio", x, g))),)
     if self.has_bias:
       out += (fold_sources(jnp.sum(g, axis=2)),)
     return out
@@ -116,7 +129,7 @@ class DenseGrads:
       return squares_of(self.per_example(data))
     # One use per example: (a gᵀ)² = a² (g²)ᵀ, no [S, B, d_in, d_out] array.
     g2 = jnp.square(g[:, :, 0])
-    out = (jnp.einsum("bi,sbo->io", jnp.square(x[:, 0]), g2),)
+    out = (self._kernel(jnp.einsum("bi,sbo->io", jnp.square(x[:, 0]), g2)),)
     if self.has_bias:
       out += (jnp.sum(g2, axis=(0, 1)),)
     return out
@@ -143,10 +156,17 @@ def dense_grads(layer: Layer) -> DenseGrads:
   Raises:
     ValueError: for a kernel that is not ``[d_in, d_out]``.
   """
-  shape = layer.param_shapes[0]
-  if len(shape) != 2:
+  shape = tuple(layer.param_shapes[0])
+  meta = layer.meta_dict
+  perm = meta.get("kernel_perm")
+  if len(shape) != 2 and "kernel_in_axes" not in meta:
     raise ValueError(
         f"Layer {layer.name!r} has kernel shape {shape}; register_dense "
         "needs a rank-2 [d_in, d_out] kernel. Reshape it, or register it "
         "with register_generic(...).")
-  return DenseGrads(shape[0], shape[1], layer.has_bias)
+  k = meta.get("kernel_in_axes", 1)
+  ordered = shape if perm is None else tuple(shape[a] for a in perm)
+  return DenseGrads(math.prod(ordered[:k]), math.prod(ordered[k:]),
+                    layer.has_bias,
+                    None if perm is None else tuple(perm),
+                    shape if perm is not None else None)

@@ -17,6 +17,7 @@ and the block is their exact ``full`` second moment or its ``diagonal``
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax.numpy as jnp
 
@@ -54,7 +55,7 @@ def _reduce_to(x, shape: tuple):
 @dataclasses.dataclass(frozen=True)
 class ScaleShiftGrads:
   """Per-example gradients of ``(scale[, shift])``; see the module docs."""
-  param_shapes: tuple
+  param_shapes: Sequence[tuple]  # a tuple: (scale's shape[, shift's])
   needs_param_grads = False
 
   def per_example(self, data: base.LayerData) -> tuple:

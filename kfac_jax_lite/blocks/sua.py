@@ -233,6 +233,7 @@ class SUAConvBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
     dmat, u, p, s, kappa = self._pieces(state)
     xt, xb = self._rotate(state, m, True)
     if self._bias:   # xb: [1, O]
+      assert s is not None  # _pieces gives s with a bias
       shifted = xt - u[:, None] * ((p / s)[None, :] * xb)
       yt = _sm_solve(dmat, u, kappa, shifted)
       yb = (xb - (p * (u @ yt))[None, :]) / s[None, :]
@@ -253,6 +254,7 @@ class SUAConvBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
     if not self._bias:
       yt, yb = root.apply(xt, transpose, inverse), xb
     else:                                 # xb: [1, O]
+      assert s is not None  # _pieces gives s with a bias
       rs, ps = jnp.sqrt(s)[None, :], (p / s)[None, :]
       if not inverse and not transpose:   # L blockdiag(C_S, √s) x
         yt = root.apply(xt, False, False) + u[:, None] * (ps * rs * xb)

@@ -8,8 +8,9 @@ Two jobs, both on the jaxpr of ``loss_fn(params, batch)``:
    on, whether it is a plain *view* of one leaf (a cast, a row-major
    reshape, a leading broadcast, a transpose), whether it depends on the
    batch. From these it finds layer **sites**: the layer tags, and with
-   ``auto_register=True`` the untagged layers of :mod:`flax` and plain-JAX
-   code (``dot_general`` dense layers with an optional bias ``add``,
+   ``auto_register=True`` the untagged layers of :mod:`flax`, Equinox and
+   plain-JAX code (``dot_general`` dense layers in either operand order,
+   with an optional bias ``add``,
    ``conv_general_dilated`` (depthwise when ``feature_group_count == C``),
    ``gather`` / one-hot embeddings and their ``x @ table.T`` tied output
    projections, scale-and-shift ``mul``/``add`` chains of normalisation

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from kfac_jax_lite import collection as collection_lib
 from kfac_jax_lite import kinds as kinds_lib
 from kfac_jax_lite.scanner.facts import Site
-from kfac_jax_lite.scanner.facts import TIED_HINT
 from kfac_jax_lite.scanner.walk import find_sites
 from kfac_jax_lite.scanner.walk import select
 from kfac_jax_lite.scanner.walk import trace_order
@@ -94,7 +93,8 @@ def _tag_layers(sites, leaf_paths):
       raise ValueError(
           f"Parameters {names} are tagged both inside a lax.scan that "
           "slices them (a stacked layer) and as whole arrays; use one form.")
-    approxes = {dict(s.meta).get("approx") for s in gsites} - {None}
+    approxes = {a for s in gsites
+                if (a := dict(s.meta).get("approx")) is not None}
     if len(approxes) > 1:
       raise ValueError(
           f"Parameters {names} are tagged with conflicting approx values "
@@ -121,11 +121,6 @@ def _auto_layers(sites, leaf_paths, bad):
                 "companions: " + "; ".join(
                     str([leaf_paths[i] for i in g]) + " at " +
                     ", ".join(s.key for s in groups[g][:3]) for g in others))
-    elif reason is None and kinds == ["tied_embedding"]:
-      reason = (f"dot_general contracts the parameter on its last axis at "
-                f"{', '.join(s.key for s in gsites[:3])}: {TIED_HINT}, but "
-                "the table is not also looked up by ids; write x @ w with a "
-                "[d_in, d_out] kernel")
     elif (reason is None and len(kinds) > 1 and
           kinds_lib.joined_kind(kinds) is None):
       reason = f"{what}: a layer must be used as one kind"
@@ -201,25 +196,33 @@ def scan(loss_fn: Callable, params, batch, *, has_aux: bool = False,
   2018). With ``auto_register=True`` untagged layers are recognised on the
   jaxpr:
 
-  * dense: ``dot_general`` of an input contracted on its trailing axes with
-    a kernel contracted on its leading axes, plus an optional bias ``add``
-    (flax ``Dense``, ``DenseGeneral``, ``Einsum``-style attention
-    projections). A kernel ``[*in_axes, *out_axes]`` is the matrix
-    :math:`W \\in \\mathbb{R}^{d_{in} \\times d_{out}}` with
-    :math:`d_{in} = \\prod \\text{in\\_axes}`; the input is recorded
-    flattened to ``[..., d_in]``, and each position of ``[B, T, ..., d_in]``
-    is one use;
+  * dense: ``dot_general`` of a batched input with a kernel, in either
+    operand order and any contraction layout, plus an optional bias
+    ``add`` (flax ``Dense``, ``DenseGeneral``, ``Einsum``-style attention
+    projections; Equinox's ``Linear``, ``weight @ x`` per example under
+    ``vmap``; ``x @ w.T``; ``einsum("oi,...i->...o", w, x)``). A kernel
+    ``[*in_axes, *out_axes]`` is the matrix :math:`W \\in
+    \\mathbb{R}^{d_{in} \\times d_{out}}` with :math:`d_{in} = \\prod
+    \\text{in\\_axes}`; a kernel in another order (``[d_out, d_in]``) is
+    read through ``kernel_perm`` in the layer's metadata, so its curvature
+    is that of the same layer written ``x @ W``. The input is recorded
+    flattened to ``[..., d_in]`` and the output gradient as ``[...,
+    d_out]``; each position of ``[B, T, ..., d_in]`` is one use. ``W_1 x_1
+    + W_2 x_2 + b`` (an LSTM step) gives ``b`` to the first layer;
   * conv: ``conv_general_dilated`` (1-, 2-, 3-D), with the metadata
-    ``register_conv`` would store; ``feature_group_count == C_in`` is a
-    ``depthwise_conv`` (kernel ``[*spatial, 1, C·M]`` in the rhs layout);
+    ``register_conv`` would store, and a bias on the channel axis wherever
+    it is (``[c_out]`` channels last, Equinox's ``[c_out, 1, 1]``);
+    ``feature_group_count == C_in`` is a ``depthwise_conv`` (kernel
+    ``[*spatial, 1, C·M]`` in the rhs layout);
   * embedding: a ``gather`` of whole rows of a 2-D table by integer ids
-    (``jnp.take``, ``table[ids]``, flax ``Embed``), or a one-hot matrix
+    (``jnp.take``, ``table[ids]``, flax ``Embed``, Equinox's ``Embedding``
+    under ``vmap``), or a one-hot matrix
     (``jax.nn.one_hot``) times a table;
   * tied_embedding: such a table also used as a transposed kernel, ``x @
     table.T`` (flax ``Embed.attend``): one multi-use layer whose lookups are
     ``embedding`` sites and whose projections are ``tied_embedding`` sites
     (:mod:`kfac_jax_lite.blocks.tied`). ``x @ w.T`` on a parameter that is
-    not looked up falls back;
+    not looked up is a dense layer;
   * scale_and_shift: ``x̂ * scale (+ shift)`` where ``scale`` broadcasts
     along the trailing axes (LayerNorm, RMSNorm, BatchNorm); the recorded
     input is the product :math:`\\hat x` of the other factors;

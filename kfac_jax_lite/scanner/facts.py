@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -20,8 +21,6 @@ PASSTHROUGH = frozenset({
 SAME_VIEW = frozenset({
     "convert_element_type", "copy", "copy_p", "reduce_precision"})
 RESHAPE_VIEW = frozenset({"reshape", "squeeze", "expand_dims"})
-TIED_HINT = ("a transposed kernel, as in a tied output projection "
-             "(flax Embed.attend, x @ table.T)")
 
 
 # ---------------------------------------------------------------------------
@@ -98,19 +97,28 @@ def strip(shape) -> tuple:
   return tail(shape, ntrail(shape))
 
 
-def fits_features(p: Prov, shape, feat, y_shape) -> bool:
+def fits_features(p: Prov, shape, feat, y_shape, at=None) -> bool:
   """Whether a view ``p`` (of ``shape``) adds one leaf entry per feature.
 
-  True when the leaf, row-major, lies on the trailing axes ``feat`` of the
-  output ``y_shape`` and is broadcast along every other axis, as a dense
-  bias, a conv bias (channels last) or a normalisation scale/shift is.
+  True when the leaf, row-major, lies on the feature axes of the output
+  ``y_shape`` (sizes ``feat``, from axis ``at``; the trailing axes when
+  ``at`` is None) and is broadcast along every other axis, as a dense
+  bias, a conv bias (``[c_out]`` channels last, Equinox's ``[c_out, 1,
+  1]`` channels first) or a normalisation scale/shift is.
   """
   if feat is None or p.view not in ("flat", "trail"):
     return False
-  m = len(feat)
-  return (len(shape) == len(y_shape) and tail(y_shape, m) == tuple(feat)
-          and tail(shape, m) == tuple(feat)
-          and math.prod(tail(shape, p.trail)) == math.prod(feat))
+  m, n = len(feat), len(y_shape)
+  if len(shape) != n:
+    return False
+  if at is None or at + m == n:
+    return (tail(y_shape, m) == tuple(feat) and tail(shape, m) == tuple(feat)
+            and math.prod(tail(shape, p.trail)) == math.prod(feat))
+  inside = range(at, at + m)
+  return (p.view == "flat"
+          and tuple(y_shape[at:at + m]) == tuple(feat)
+          and tuple(shape[at:at + m]) == tuple(feat)
+          and all(d == 1 for i, d in enumerate(shape) if i not in inside))
 
 
 # ---------------------------------------------------------------------------
@@ -129,7 +137,9 @@ class Site:
     leaves: parameter leaf indices, in the tag's operand order.
     scan_lengths: lengths of the enclosing ``lax.scan`` loops, outermost
       first.
-    y_aval: the perturbed output's aval (per scan step).
+    y_aval: the aval of the layer output as the tag's ``y`` would be laid
+      out (per scan step): features trailing, ``[..., d_out]`` for a dense
+      layer, whatever the order of ``dot_general``'s operands.
     input_avals: avals of the recorded inputs (per scan step), laid out as
       the tag's inputs (a dense input flattened over its contracted axes).
     stack: index into ``scan_lengths`` of the scan that slices the stacked
@@ -137,6 +147,10 @@ class Site:
     found_by: ``"tag"`` or ``"auto"``.
     record: ``record(read) -> inputs`` for automatic sites (``read`` maps a
       jaxpr variable of the site's level to its value).
+    to_out: for an automatic site whose equation's output is not laid out
+      as ``y_aval`` (``w @ x`` gives ``[d_out, B]``, Equinox's vmapped conv
+      a reshaped output), ``eps -> eps`` in the output's layout: a
+      transpose, then a reshape.
   """
   key: str
   kind: str
@@ -153,6 +167,12 @@ class Site:
       default=frozenset(), compare=False, repr=False)
   raw_in: frozenset = dataclasses.field(
       default=frozenset(), compare=False, repr=False)
+  to_out: Optional[Callable] = dataclasses.field(
+      default=None, compare=False, repr=False)
+
+  def perturbation(self, eps):
+    """``eps`` (laid out as ``y_aval``) in the perturbed output's layout."""
+    return eps if self.to_out is None else self.to_out(eps)
 
   @property
   def stack_shape(self) -> tuple:
@@ -162,7 +182,7 @@ class Site:
 @dataclasses.dataclass(frozen=True)
 class LossSite:
   key: str
-  spec: losses_lib.LossSpec
+  spec: losses_lib.PositionLoss  # a LossSpec or a CustomLossSpec
 
 
 @dataclasses.dataclass
@@ -182,6 +202,18 @@ class Draft:
   feat: Optional[tuple]       # feature axes a bias/shift may be added on
   factors: Optional[tuple] = None   # scale chain: ((var, "mul"|"div"), ...)
   batched: bool = True        # a scale chain has met a batched factor
+  feat_at: Optional[int] = None     # first feature axis of y; None: trailing
+  canon: Optional[tuple] = None     # y_aval's shape, when not y's own
+  perm: Optional[tuple] = None      # y = transpose(canon, perm), reshaped
+  also: frozenset = frozenset()     # other sites summed into y (keys)
+
+  def to_out(self) -> Optional[Callable]:
+    """``Site.to_out`` of this draft (None when ``y`` is in canonical
+    layout)."""
+    if self.canon is None:
+      return None
+    return functools.partial(out_layout, perm=self.perm,
+                             shape=tuple(self.y.aval.shape))
 
 
 @dataclasses.dataclass
@@ -274,6 +306,7 @@ def chain_input(read, factors, shape, dtype):
     f = jnp.asarray(read(v))
     f = 1.0 / f if op == "div" else f
     x = f if x is None else x * f
+  assert x is not None  # a scale chain has at least one factor
   return jnp.broadcast_to(x, shape).astype(dtype)
 
 
@@ -281,8 +314,44 @@ def chain_input_record(read, *, factors, shape, dtype):
   return (chain_input(read, factors, shape, dtype),)
 
 
+def out_layout(eps, *, perm, shape):
+  """A canonical perturbation in the layout of the perturbed output."""
+  if perm is not None:
+    eps = jnp.transpose(eps, perm)
+  return eps.reshape(shape)
+
+
+def retype_sites(sites, rejected: dict) -> list:
+  """Settles the kind of ``x @ w.T``-shaped sites (``tied_embedding``).
+
+  A 2-D parameter contracted on its last axis (``x @ w.T``, ``w @ x``,
+  ``einsum("oi,...i->...o", w, x)``) is the output projection of a tied
+  embedding when the same table is also looked up by ids; otherwise it is
+  a dense layer whose kernel is held ``[d_out, d_in]`` (Equinox's and
+  PyTorch's layout), and its site becomes ``fully_connected`` with
+  ``kernel_perm=(1, 0)``. A bias on a tied projection is dropped from the
+  site (``rejected`` gets the reason): the tied block has no bias.
+  """
+  looked_up = {s.leaves[0] for s in sites if s.kind == "embedding"}
+  out = []
+  for s in sites:
+    if s.kind == "tied_embedding" and s.found_by == "auto":
+      table = s.leaves[0]
+      if table not in looked_up:
+        s = dataclasses.replace(s, kind="fully_connected", meta=tuple(
+            sorted(dict(s.meta, kernel_perm=(1, 0)).items())))
+      elif len(s.leaves) > 1:
+        rejected.setdefault(s.leaves[1], (
+            f"added to the output projection at {s.key} of a tied "
+            "embedding (its table is also looked up), whose block has no "
+            "bias term"))
+        s = dataclasses.replace(s, leaves=s.leaves[:1])
+    out.append(s)
+  return out
+
+
 def site_out(d: Draft) -> Prov:
-  return Prov(leaves=d.dep_leaves, sites=frozenset({d.key}),
+  return Prov(leaves=d.dep_leaves, sites=frozenset({d.key}) | d.also,
               batched=d.batched)
 
 

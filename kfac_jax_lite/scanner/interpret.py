@@ -65,8 +65,11 @@ class _Interpreter:
         outs = [invals[0]]
       elif slot in self.eps:
         outs = forms.bind(eqn, invals)
-        outs[0] = outs[0] + self.eps[slot].astype(outs[0].dtype)
-        self.layer_records[slot] = self.sites[key].record(read)
+        eps = self.sites[key].perturbation(self.eps[slot])
+        outs[0] = outs[0] + eps.astype(outs[0].dtype)
+        record = self.sites[key].record
+        assert record is not None  # an automatic site (tags are above)
+        self.layer_records[slot] = record(read)
       elif not self._under(f"{key}/"):
         outs = forms.bind(eqn, invals)
       elif name in forms.INLINE:
@@ -115,7 +118,8 @@ class _Interpreter:
     def make(k):
       def branch(ops, eps):
         child = self._child(eps)
-        outs = child.run(*branches[k], ops, f"{key}/branch{k}/")
+        jaxpr, consts = branches[k]
+        outs = child.run(jaxpr, consts, ops, f"{key}/branch{k}/")
         recs = {s.key: child.layer_records.get(
             s.key, tuple(_zeros(a) for a in s.input_avals))
                 for s in inner if s.key in eps}

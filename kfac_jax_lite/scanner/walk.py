@@ -12,7 +12,7 @@ import jax
 from jax.extend import core as jex_core
 
 from kfac_jax_lite import collection as collection_lib
-from kfac_jax_lite import losses as losses_lib
+from kfac_jax_lite import custom_losses
 from kfac_jax_lite import tags
 from kfac_jax_lite.scanner import forms
 from kfac_jax_lite.scanner.facts import aval
@@ -29,6 +29,7 @@ from kfac_jax_lite.scanner.facts import PASSTHROUGH
 from kfac_jax_lite.scanner.facts import Prov
 from kfac_jax_lite.scanner.facts import read_var
 from kfac_jax_lite.scanner.facts import RESHAPE_VIEW
+from kfac_jax_lite.scanner.facts import retype_sites
 from kfac_jax_lite.scanner.facts import SAME_VIEW
 from kfac_jax_lite.scanner.facts import Site
 from kfac_jax_lite.scanner.facts import tag_error
@@ -101,6 +102,10 @@ class Walker:
           and in_shape[len(in_shape) - k:] == out_shape[n - k:])):
         flat = math.prod(out_shape) == math.prod(in_shape) and p.view == "flat"
         view, trail = ("flat", ntrail(out_shape)) if flat else ("trail", k)
+      elif (p.view == "flat" and math.prod(out_shape) == math.prod(in_shape)
+            and list(dims) == sorted(dims)):
+        # Only unit axes inserted (b[:, None]): a reshape.
+        view, trail = "flat", ntrail(out_shape)
     elif name == "transpose":
       if p.view == "flat" and len(in_shape) == 2 and tuple(
           eqn.params["permutation"]) == (1, 0):
@@ -147,7 +152,7 @@ class Walker:
             f"A loss tag at {key} is inside lax.scan; register the loss on "
             "the stacked outputs after the loop instead.")
       meta = dict(eqn.params["meta"])
-      self.found.losses.append(LossSite(key, losses_lib.make_loss_spec(
+      self.found.losses.append(LossSite(key, custom_losses.make_loss_spec(
           eqn.params["kind"], meta, eqn.invars[0].aval.shape)))
       self.found.loss_facts.append(ins[0])
       return [ins[0]]
@@ -332,11 +337,13 @@ class Walker:
       record = functools.partial(chain_input_record, factors=d.factors,
                                  shape=tuple(y.shape), dtype=y.dtype)
       input_avals = (aval(y.shape, y.dtype),)
+    y_aval = d.y.aval if d.canon is None else aval(d.canon, d.y.aval.dtype)
     self.found.sites[d.key] = Site(
         key=d.key, kind=d.kind, meta=d.meta, leaves=d.leaves,
-        scan_lengths=tuple(scan_lengths), y_aval=d.y.aval,
+        scan_lengths=tuple(scan_lengths), y_aval=y_aval,
         input_avals=input_avals, stack=d.stack, found_by="auto",
-        record=record, upstream=d.upstream, raw_in=d.raw_in)
+        record=record, upstream=d.upstream, raw_in=d.raw_in,
+        to_out=d.to_out())
 
 
 def trace(loss_fn, params, batch, has_aux):
@@ -382,7 +389,7 @@ def find_sites(loss_fn, params, batch, has_aux=False, leaf_paths=None,
       leaf_shapes=tuple(tuple(getattr(x, "shape", ())) for x in leaves),
       auto=auto_register)
   in_provs = []
-  for i, x in enumerate(leaves):
+  for i, _x in enumerate(leaves):
     if trainable and not trainable[i]:
       in_provs.append(NONE)
     else:
@@ -402,7 +409,7 @@ def select(found: Found):
     ``(sites, bad)``: the sites to use, in trace order, and
     ``{leaf: reason}`` for leaves that cannot be in an automatic layer.
   """
-  sites = list(found.sites.values())
+  sites = retype_sites(list(found.sites.values()), found.rejected)
   tagged = {l for s in sites if s.found_by == "tag" for l in s.leaves}
   reach = set()
   frontier = [k for z in found.loss_facts for k in z.sites]

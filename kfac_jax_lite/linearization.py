@@ -1,4 +1,10 @@
-"""Minibatch curvature statistics from one linearisation of the loss.
+"""One linearisation of the loss, and the statistics pass read from it.
+
+:class:`Linearized` is one ``jax.vjp`` (or ``jax.linearize``) of the loss;
+:func:`statistics_pass` reads each layer's inputs and output gradients
+from it (one :class:`~kfac_jax_lite.blocks.LayerData` per layer), which
+:func:`kfac_jax_lite.stats.make_stats` turns into the blocks'
+:class:`~kfac_jax_lite.stats.Stats`.
 
 The statistics of every block come from one ``jax.vjp`` of the loss function
 re-evaluated with zero perturbations at the tagged layer outputs
@@ -50,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Optional, cast
 import warnings
 
 import jax
@@ -71,6 +77,11 @@ MODE_ALIASES = {
     "fisher_curvature_prop": "curvature_prop",
     "ggn_curvature_prop": "curvature_prop_GGN", "fisher_exact": "exact",
     "ggn_exact": "exact_GGN"}
+
+
+# keys.derive's index of the draw that offsets strided factor rows (the
+# loss tags' target samples use the indices 0, 1, ...).
+ROW_DRAW_INDEX = 0x7FFF_FFFF
 
 
 def canonical_mode(mode: str) -> str:
@@ -266,7 +277,7 @@ def output_fisher_gram(lin: Linearized, jvs) -> jnp.ndarray:
     fjv = jax.vmap(lambda v, z=z, y=y, spec=spec: spec.multiply_fisher(
         z, v, y))(jv)
     gram = gram + spec.fisher_gram(z, m, jv, fjv)
-  return gram
+  return cast(jnp.ndarray, gram)  # an array: a collection has a loss tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,9 +300,23 @@ def check_fraction(stats_fraction):
         "factors (1.0 uses every example).")
 
 
-def check_options(stats_fraction, stats_min_examples, num_samples):
+def check_stride(stats_position_stride):
+  """Raises ``ValueError`` unless ``stats_position_stride`` is None or a
+  positive int."""
+  k = stats_position_stride
+  if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                        or k < 1):
+    raise ValueError(
+        f"stats_position_stride={k!r} must be a positive int k (dense "
+        "Kronecker factors average every k-th row: 1 uses every row) or "
+        "None (chosen per platform when lowering).")
+
+
+def check_options(stats_fraction, stats_min_examples, num_samples,
+                  stats_position_stride: Optional[int] = 1):
   """Raises ``ValueError`` for an invalid option of the statistics."""
   check_fraction(stats_fraction)
+  check_stride(stats_position_stride)
   if isinstance(stats_min_examples, bool) or not isinstance(
       stats_min_examples, int) or stats_min_examples < 1:
     raise ValueError(
@@ -428,6 +453,11 @@ def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
   # Blocks from summed parameter gradients keep the whole batch (their
   # sites may have no batch axis at all).
   rows = stats_rows(batch_size, fraction, min_rows)
+  # One offset draw per pass for blocks that average a strided subset of
+  # their rows (BlockConfig.stats_position_stride).
+  # Without a key (the modes that sample nothing) every row is used.
+  draw = None if key is None else keys_lib.uniform(
+      keys_lib.derive(key, ROW_DRAW_INDEX), ())
   data = []
   for layer, block in zip(collection.layers, blocks):
     sites = sites_of.get(layer.param_indices, [])
@@ -442,7 +472,8 @@ def statistics_pass(lin: Linearized, blocks, key, mode, num_samples,
         param_grads=tuple(_param_grads(block_p_bars[i], layer)
                           for i in layer.param_indices)
         if block.needs_param_grads else (),
-        batch_size=block_batch if block.needs_param_grads else rows))
+        batch_size=block_batch if block.needs_param_grads else rows,
+        row_draw=None if block.needs_param_grads else draw))
   return Pass(layer_data=tuple(data),
               param_grads_all=p_bars if need_all_param_grads else None,
               grad_norm=_grad_norm(lin, batch_size))
