@@ -236,3 +236,16 @@ def test_bind_wraps_a_single_result_in_a_list():
   out = forms.bind(eqn, [jnp.float32(0.5)])
   assert isinstance(out, list) and len(out) == 1
   np.testing.assert_allclose(out[0], np.sin(0.5), rtol=1e-6)
+
+
+def test_gather_modes_that_stay_in_bounds():
+  """``w[i]`` under vmap: ``PROMISE_IN_BOUNDS`` before jax 0.9, ``CLIP``
+  after; both stay in bounds, ``FILL_OR_DROP`` does not."""
+  (eqn,) = [e for e in _eqns(jax.vmap(lambda i: jnp.ones((4, 3))[i]),
+                              jnp.arange(2)) if e.primitive.name == "gather"]
+  assert forms.gather_keeps_slices_in_bounds(eqn)
+  mode = lax.GatherScatterMode
+  for m, want in ((mode.CLIP, True), (mode.PROMISE_IN_BOUNDS, True),
+                  (mode.FILL_OR_DROP, False)):
+    other = eqn.replace(params=dict(eqn.params, mode=m))
+    assert forms.gather_keeps_slices_in_bounds(other) is want

@@ -21,6 +21,8 @@ The forms known:
   ``Jaxpr`` with its ``consts``; from 0.11 they are one class whose
   ``.jaxpr`` is itself and whose ``constvars`` are the inputs with ``consts``
   attached (``invars`` are the others).
+* ``x[i]`` with a traced integer ``i`` gathers with mode
+  ``PROMISE_IN_BOUNDS`` before jax 0.9 and ``CLIP`` from 0.9.
 * Inlinable calls name their body differently: ``jaxpr`` (``jit``, named
   ``pjit`` before jax 0.7; ``remat2``/``checkpoint``), ``call_jaxpr``
   (``closed_call``, ``core_call``, ``custom_jvp_call``, ``custom_vjp_call``)
@@ -118,6 +120,18 @@ def cond_branches(eqn) -> tuple:
   Each branch takes the operands after the index.
   """
   return tuple(open_and_consts(b) for b in eqn.params["branches"])
+
+
+def gather_keeps_slices_in_bounds(eqn) -> bool:
+  """Whether a ``gather`` equation never reads outside its operand.
+
+  True for mode ``CLIP`` (starts clamped into range; what ``x[i]`` gives
+  from jax 0.9) and ``PROMISE_IN_BOUNDS`` (the caller promises it; what
+  ``x[i]`` gives before jax 0.9, after making ``i`` non-negative); false for
+  ``FILL_OR_DROP``, whose out-of-range slices are filled instead.
+  """
+  mode = str(eqn.params.get("mode"))
+  return "CLIP" in mode or "PROMISE_IN_BOUNDS" in mode
 
 
 def bind(eqn, invals) -> list:
