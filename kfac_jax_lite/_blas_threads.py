@@ -56,6 +56,10 @@ _STAGE_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 # The FFI API version these handlers follow (XLA_FFI_API_MAJOR/MINOR of
 # the c_api.h whose layouts are mirrored here).
 _API_MAJOR, _API_MINOR = 0, 3
+# The XLA of jaxlib 0.7 and 0.8 sends the metadata query without its API
+# table and registers only a handler of its own version, 0.1; the struct
+# prefixes read here are the same in 0.1.
+_API_MINOR_UNTOLD = 1
 
 
 class _ExtensionBase(ctypes.Structure):
@@ -128,12 +132,12 @@ def _handler(action: Callable[[], None]):
       if ext and ext.contents.type == _EXTENSION_METADATA:
         meta = ctypes.cast(ext, ctypes.POINTER(_MetadataExtension)
                            ).contents.metadata.contents
-        xla = frame.api.contents.api_version
         # A handler on an older minor version than XLA's is accepted; a
         # different major version is rejected at registration.
+        minor = (min(_API_MINOR, frame.api.contents.api_version.minor_version)
+                 if frame.api else _API_MINOR_UNTOLD)
         meta.api_version = _ApiVersion(
-            ctypes.sizeof(_ApiVersion), None, _API_MAJOR,
-            min(_API_MINOR, xla.minor_version))
+            ctypes.sizeof(_ApiVersion), None, _API_MAJOR, minor)
         meta.traits = 0
         return None
       if frame.stage != _STAGE_EXECUTE:

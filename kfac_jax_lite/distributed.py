@@ -120,7 +120,12 @@ def vary(tree, axes: tuple):
 
   def cast(x):
     missing = tuple(a for a in axes if a not in varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    if not missing:
+      return x
+    if hasattr(lax, "pcast"):
+      return lax.pcast(x, missing, to="varying")
+    # jax < 0.9, before pcast replaced it.
+    return lax.pvary(x, missing)  # pyright: ignore[reportAttributeAccessIssue]
 
   return jax.tree.map(cast, tree)
 

@@ -96,6 +96,16 @@ FAST_COMPILE = any(f in os.environ["XLA_FLAGS"].split()
                    for f in FAST_COMPILE_FLAGS.split())
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# After XLA_FLAGS: jax reads them when its backends start, not at import.
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# The tests' float64 switch, jax.enable_x64, is jax.experimental.enable_x64
+# in jax 0.7 (the lowest version pyproject.toml allows, which
+# .ci/min_pins.sh tests); jax 0.8 made it public.
+if not hasattr(jax, "enable_x64"):
+  from jax.experimental import enable_x64 as _enable_x64  # pylint: disable=g-import-not-at-top
+  jax.enable_x64 = _enable_x64
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):

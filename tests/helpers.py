@@ -134,6 +134,16 @@ def assert_trees_close(a, b, rtol):
     assert err <= rtol * ref, f"relative error {err / ref:.3g} > {rtol}"
 
 
+def sub_jaxprs(eqn):
+  """The jaxprs in an equation's params (what
+  ``jax.extend.core.jaxprs_in_params`` gives from jax 0.10 on)."""
+  for p in eqn.params.values():
+    for sub in p if isinstance(p, (tuple, list)) else (p,):
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
 def count_primitive(jaxpr, primitive, scope="", *, outside=None,
                     not_into=(), within=(), shapes=None,
                     _entered=False) -> int:
@@ -155,7 +165,7 @@ def count_primitive(jaxpr, primitive, scope="", *, outside=None,
         and (shapes is None or eqn.outvars[0].aval.shape in shapes)):
       n += 1
     if eqn.primitive.name not in not_into:
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      for sub in sub_jaxprs(eqn):
         n += count_primitive(
             sub, primitive, scope, outside=outside, not_into=not_into,
             within=within, shapes=shapes,

@@ -8,6 +8,8 @@ dense blocks read the kernel through its ``kernel_perm``: the curvature and
 the direction must not depend on how the product was written.
 """
 
+import inspect
+
 import equinox as eqx
 import jax
 import jax.flatten_util
@@ -170,6 +172,9 @@ def test_mlp_is_recognised_untagged():
 
 
 def test_mlp_with_scan_is_a_stacked_layer():
+  if "scan" not in inspect.signature(eqx.nn.MLP).parameters:
+    pytest.skip("eqx.nn.MLP(scan=True) needs equinox >= 0.13.5 (which "
+                "needs jax >= 0.7.2); this equinox is older.")
   model = eqx.nn.MLP(6, 5, 7, 3, activation=jnp.tanh, scan=True,
                      key=jax.random.PRNGKey(0))
   c, _, _ = _scan(model, _image_batch(jax.random.PRNGKey(1), (6,)))

@@ -256,11 +256,8 @@ def _count_forward_matmuls(jaxpr, lhs_shape, rhs_shape):
     if eqn.primitive.name == "dot_general" and tuple(
         v.aval.shape for v in eqn.invars) == (lhs_shape, rhs_shape):
       count += 1
-    for p in eqn.params.values():
-      for sub in p if isinstance(p, (tuple, list)) else (p,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          count += _count_forward_matmuls(inner, lhs_shape, rhs_shape)
+    for sub in helpers.sub_jaxprs(eqn):
+      count += _count_forward_matmuls(sub, lhs_shape, rhs_shape)
   return count
 
 
@@ -269,7 +266,7 @@ def _dot_operand_ranks(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       ranks.update(v.aval.ndim for v in eqn.invars)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in helpers.sub_jaxprs(eqn):
       ranks |= _dot_operand_ranks(sub)
   return ranks
 

@@ -21,9 +21,6 @@ PASSTHROUGH = frozenset({
 SAME_VIEW = frozenset({
     "convert_element_type", "copy", "copy_p", "reduce_precision"})
 RESHAPE_VIEW = frozenset({"reshape", "squeeze", "expand_dims"})
-INLINE = frozenset({
-    "jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 # ---------------------------------------------------------------------------
@@ -254,15 +251,6 @@ class Found:
       reasons = self.unmatched.setdefault(leaf, [])
       if reason not in reasons:
         reasons.append(reason)
-
-
-def sub_jaxpr(eqn):
-  """(Jaxpr, consts) for the inlinable higher-order primitives."""
-  p = eqn.params
-  j = p.get("jaxpr", p.get("call_jaxpr", p.get("fun_jaxpr")))
-  if isinstance(j, jex_core.ClosedJaxpr):
-    return j.jaxpr, j.consts
-  return j, ()
 
 
 def has_tags(jaxpr) -> bool:

@@ -12,27 +12,14 @@ from jax.extend import core as jex_core
 
 from kfac_jax_lite import collection as collection_lib
 from kfac_jax_lite import tags
-from kfac_jax_lite.scanner.facts import INLINE
+from kfac_jax_lite.scanner import forms
 from kfac_jax_lite.scanner.facts import Site
-from kfac_jax_lite.scanner.facts import sub_jaxpr
 from kfac_jax_lite.scanner.walk import find_sites
 from kfac_jax_lite.scanner.walk import select
 
 
 def _zeros(aval):
   return jnp.zeros(aval.shape, aval.dtype)
-
-
-def _bind(eqn, invals):
-  """Re-binds an equation unchanged (the body of ``jax.core.eval_jaxpr``)."""
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  ctx = getattr(eqn.ctx, "manager", None)
-  if ctx is not None:
-    with ctx:
-      ans = eqn.primitive.bind(*invals, **bind_params)
-  else:
-    ans = eqn.primitive.bind(*invals, **bind_params)
-  return ans if eqn.primitive.multiple_results else [ans]
 
 
 class _Interpreter:
@@ -77,16 +64,16 @@ class _Interpreter:
         self.loss_records[key] = tuple(invals)
         outs = [invals[0]]
       elif slot in self.eps:
-        outs = _bind(eqn, invals)
+        outs = forms.bind(eqn, invals)
         eps = self.sites[key].perturbation(self.eps[slot])
         outs[0] = outs[0] + eps.astype(outs[0].dtype)
         record = self.sites[key].record
         assert record is not None  # an automatic site (tags are above)
         self.layer_records[slot] = record(read)
       elif not self._under(f"{key}/"):
-        outs = _bind(eqn, invals)
-      elif name in INLINE:
-        sub, sub_consts = sub_jaxpr(eqn)
+        outs = forms.bind(eqn, invals)
+      elif name in forms.INLINE:
+        sub, sub_consts = forms.inline_body(eqn)
         outs = self.run(sub, sub_consts, invals, f"{key}/in/")
       elif name == "scan":
         outs = self._scan(eqn, invals, key)
@@ -102,29 +89,28 @@ class _Interpreter:
     return _Interpreter(eps, self.sites, self.sites_by_prefix, self.slot)
 
   def _scan(self, eqn, invals, key):
-    p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    form = forms.scan_form(eqn)
+    nc, ncarry = form.num_consts, form.num_carry
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
-    body = p["jaxpr"]
     inner = {s.key for s in self._under(f"{key}/body/")}
     eps = {k: self.eps[k] for k in inner if k in self.eps}
 
     def step(carry, scanned):
       xs_t, eps_t = scanned
       child = self._child(eps_t)
-      outs = child.run(body.jaxpr, body.consts, [*consts, *carry, *xs_t],
+      outs = child.run(form.body, form.body_consts, [*consts, *carry, *xs_t],
                        f"{key}/body/")
       return outs[:ncarry], (outs[ncarry:], child.layer_records)
 
     carry, (ys, records) = lax.scan(
-        step, list(init), (list(xs), eps), length=p["length"],
-        reverse=p["reverse"], unroll=p["unroll"])
+        step, list(init), (list(xs), eps), length=form.length,
+        reverse=form.reverse, unroll=form.unroll)
     self.layer_records.update(records)
     return [*carry, *ys]
 
   def _cond(self, eqn, invals, key):
     index, ops = invals[0], invals[1:]
-    branches = eqn.params["branches"]
+    branches = forms.cond_branches(eqn)
     inner = list({s.key: s for k in range(len(branches))
                   for s in self._under(f"{key}/branch{k}/")}.values())
     eps = {s.key: self.eps[s.key] for s in inner if s.key in self.eps}
@@ -132,8 +118,8 @@ class _Interpreter:
     def make(k):
       def branch(ops, eps):
         child = self._child(eps)
-        outs = child.run(branches[k].jaxpr, branches[k].consts, ops,
-                         f"{key}/branch{k}/")
+        jaxpr, consts = branches[k]
+        outs = child.run(jaxpr, consts, ops, f"{key}/branch{k}/")
         recs = {s.key: child.layer_records.get(
             s.key, tuple(_zeros(a) for a in s.input_avals))
                 for s in inner if s.key in eps}

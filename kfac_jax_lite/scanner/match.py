@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from kfac_jax_lite import tags
+from kfac_jax_lite.scanner import forms
 from kfac_jax_lite.scanner.facts import aval
 from kfac_jax_lite.scanner.facts import Draft
 from kfac_jax_lite.scanner.facts import fits_features
@@ -325,12 +326,13 @@ class Matcher:
         and tuple(dn.collapsed_slice_dims) == (0,)
         and tuple(dn.start_index_map) == (0,) and ids.aval.shape[-1] == 1)
     # Equinox's Embedding (weight[x] per example, under vmap): indices
-    # (row, column) with a [1, d] slice: the column start is clamped to 0.
+    # (row, column) with a [1, d] slice: the column start can only be 0
+    # (clamped, or promised in bounds).
     pair_lookup = (
         whole and tuple(dn.offset_dims) == (out_nd - 2, out_nd - 1)
         and not tuple(dn.collapsed_slice_dims)
         and tuple(dn.start_index_map) == (0, 1) and ids.aval.shape[-1] == 2
-        and "CLIP" in str(prm.get("mode")))
+        and forms.gather_keeps_slices_in_bounds(self.eqn))
     if not (row_lookup or pair_lookup):
       return self._reject("gather does not look up whole rows of a 2-D "
                           "table by integer ids")

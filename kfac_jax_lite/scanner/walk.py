@@ -14,6 +14,7 @@ from jax.extend import core as jex_core
 from kfac_jax_lite import collection as collection_lib
 from kfac_jax_lite import custom_losses
 from kfac_jax_lite import tags
+from kfac_jax_lite.scanner import forms
 from kfac_jax_lite.scanner.facts import aval
 from kfac_jax_lite.scanner.facts import BATCH
 from kfac_jax_lite.scanner.facts import chain_input_record
@@ -21,7 +22,6 @@ from kfac_jax_lite.scanner.facts import Draft
 from kfac_jax_lite.scanner.facts import eqn_subjaxprs
 from kfac_jax_lite.scanner.facts import Found
 from kfac_jax_lite.scanner.facts import has_tags
-from kfac_jax_lite.scanner.facts import INLINE
 from kfac_jax_lite.scanner.facts import LossSite
 from kfac_jax_lite.scanner.facts import NONE
 from kfac_jax_lite.scanner.facts import ntrail
@@ -32,7 +32,6 @@ from kfac_jax_lite.scanner.facts import RESHAPE_VIEW
 from kfac_jax_lite.scanner.facts import retype_sites
 from kfac_jax_lite.scanner.facts import SAME_VIEW
 from kfac_jax_lite.scanner.facts import Site
-from kfac_jax_lite.scanner.facts import sub_jaxpr
 from kfac_jax_lite.scanner.facts import tag_error
 from kfac_jax_lite.scanner.match import Matcher
 
@@ -157,8 +156,8 @@ class Walker:
           eqn.params["kind"], meta, eqn.invars[0].aval.shape)))
       self.found.loss_facts.append(ins[0])
       return [ins[0]]
-    if name in INLINE:
-      sub, _ = sub_jaxpr(eqn)
+    if name in forms.INLINE:
+      sub, _ = forms.inline_body(eqn)
       return self.walk(sub, ins, f"{key}/in/", scan_lengths)
     if name == "scan":
       return self._scan(eqn, ins, key, scan_lengths)
@@ -228,9 +227,9 @@ class Walker:
           "parameters as y (e.g. register_dense(x @ w + b, x, w, b)).")
 
   def _scan(self, eqn, ins, key, scan_lengths):
-    p = eqn.params
-    nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
-    body = p["jaxpr"].jaxpr
+    form = forms.scan_form(eqn)
+    nc, ncarry, length, body = (form.num_consts, form.num_carry, form.length,
+                                form.body)
     depth = len(scan_lengths)
     consts = list(ins[:nc])
     carry = [self._opaque(q, f"passed as a lax.scan carry at {key}")
@@ -282,8 +281,8 @@ class Walker:
                 sites=a.sites | b.sites, batched=a.batched or b.batched)
 
   def _cond(self, eqn, ins, key, scan_lengths):
-    outs = [self.walk(br.jaxpr, ins[1:], f"{key}/branch{k}/", scan_lengths)
-            for k, br in enumerate(eqn.params["branches"])]
+    outs = [self.walk(br, ins[1:], f"{key}/branch{k}/", scan_lengths)
+            for k, (br, _) in enumerate(forms.cond_branches(eqn))]
     self._merge_branches(key, len(outs))
     index = ins[0]
     joined = []
