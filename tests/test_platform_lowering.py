@@ -112,9 +112,15 @@ def _custom_calls(text) -> list:
 
 
 def _potrf_shapes(text) -> list:
-  """The operand shape of every cuSOLVER Cholesky, e.g. ``"3x9x9"``."""
+  """The operand shape of every Cholesky lowered for the GPU, e.g.
+  ``"3x9x9"``: a cuSOLVER custom call where jaxlib registers its GPU
+  lowering rules without a GPU (jax 0.10), else XLA's own
+  ``stablehlo.cholesky``, which XLA:GPU rewrites into the same cuSOLVER
+  call (jax 0.7)."""
   return re.findall(r"custom_call @cusolver_potrf_ffi\(%[^)]*\).*?:\s*"
-                    r"\(tensor<([0-9x]+)xf32>", text)
+                    r"\(tensor<([0-9x]+)xf32>", text) + re.findall(
+                        r"stablehlo\.cholesky %\S+, lower = true : "
+                        r"tensor<([0-9x]+)xf32>", text)
 
 
 def _dot_precisions(text) -> list:
