@@ -146,7 +146,7 @@ def sub_jaxprs(eqn):
 
 def count_primitive(jaxpr, primitive, scope="", *, outside=None,
                     not_into=(), within=(), shapes=None,
-                    _entered=False) -> int:
+                    _entered=False, _outer="") -> int:
   """``primitive`` equations of ``jaxpr`` (recursively, into sub-jaxprs)
   under ``jax.named_scope(scope)`` (any scope by default); with
   ``outside`` (a scope or a tuple of them), only those under none of
@@ -154,12 +154,13 @@ def count_primitive(jaxpr, primitive, scope="", *, outside=None,
   entered. With ``within`` (primitive names), only equations inside a
   sub-jaxpr of one of them count (e.g. ``("cond",)``: inside a branch);
   with ``shapes`` (a set of shapes), only those whose first output has
-  one of them."""
+  one of them. A sub-jaxpr's equations are under the scopes of the
+  equation holding it too (a cond branch's name stacks start afresh)."""
   outside = (outside,) if isinstance(outside, str) else outside or ()
   counted = _entered or not within
   n = 0
   for eqn in jaxpr.eqns:
-    stack = str(eqn.source_info.name_stack)
+    stack = f"{_outer}/{eqn.source_info.name_stack}"
     if (eqn.primitive.name == primitive and counted and scope in stack
         and not any(o in stack for o in outside)
         and (shapes is None or eqn.outvars[0].aval.shape in shapes)):
@@ -169,5 +170,5 @@ def count_primitive(jaxpr, primitive, scope="", *, outside=None,
         n += count_primitive(
             sub, primitive, scope, outside=outside, not_into=not_into,
             within=within, shapes=shapes,
-            _entered=_entered or eqn.primitive.name in within)
+            _entered=_entered or eqn.primitive.name in within, _outer=stack)
   return n

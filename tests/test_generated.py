@@ -56,6 +56,7 @@ from typing import Any, Optional
 import hypothesis
 from hypothesis import strategies as st
 import jax
+import jax.flatten_util
 from jax import lax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -259,6 +260,8 @@ def _runner(structure: Structure) -> Runner:
         jax.tree.leaves(wide), jax.tree.leaves(inv)))}
     if runner.exp1:
       products["back"] = est.multiply(es, inv)
+      products["cond"] = _condition_number(lambda u: est.multiply(es, u),
+                                           wide)
     if m.dtype in LOW:
       products.update(inv=inv, inv_low=est.multiply_inverse(es, v))
     return direction, state, products
@@ -337,9 +340,11 @@ def _assert_replicas_equal(tree, what):
 
 LOW = ("bfloat16", "float16")
 # multiply ∘ multiply_inverse = id, for vectors in the factors' dtype:
-# float32 round-off times the damped blocks' condition number (below 1e4
-# at the smallest drawn damping).
+# float32 round-off times the damped blocks' condition number, up to
+# ROUNDTRIP_COND (most drawn models stay below it at the smallest drawn
+# damping); past it, the bound grows with the measured condition number.
 ROUNDTRIP_RTOL = {"float64": 1e-9, "float32": 1e-3}
+ROUNDTRIP_COND = 1e4
 
 
 def _wide(dtype):
@@ -360,6 +365,17 @@ def _assert_rounded_once(low, wide, what):
     assert not bad.any(), (
         f"{what}{jax.tree_util.keystr(path)}: the {name} product is not "
         f"the wide one rounded once: {lo[bad][:3]} vs {wi[bad][:3]}")
+
+
+def _condition_number(multiply, like):
+  """The 2-norm condition number of the damped curvature ``multiply``
+  applies, from its dense matrix (one product per parameter: the
+  generated models are small)."""
+  flat, unravel = jax.flatten_util.ravel_pytree(like)
+  dense = jax.vmap(lambda e: jax.flatten_util.ravel_pytree(
+      multiply(unravel(e)))[0])(jnp.eye(flat.size, dtype=flat.dtype))
+  eig = jnp.linalg.eigvalsh(0.5 * (dense + dense.T))
+  return eig[-1] / eig[0]
 
 
 def _relative_error(got, want):
@@ -455,10 +471,12 @@ def _check(structure: Structure, nums: Numbers) -> None:
         f"{what}: v^T F^-1 v <= 0")
     if runner.exp1:
       err = _relative_error(products["back"], v)
-      assert err <= ROUNDTRIP_RTOL["float64" if m.dtype == "float64"
-                                   else "float32"], (
-          f"{what}: |F(F^-1 v) - v| / |v| = {err:.3g} at damping "
-          f"{nums.damping:.3g}")
+      cond = float(np.max(np.asarray(products["cond"])))
+      rtol = ROUNDTRIP_RTOL["float64" if m.dtype == "float64"
+                            else "float32"] * max(1.0, cond / ROUNDTRIP_COND)
+      assert err <= rtol, (
+          f"{what}: |F(F^-1 v) - v| / |v| = {err:.3g} > {rtol:.3g} at "
+          f"damping {nums.damping:.3g}, condition number {cond:.3g}")
     if m.dtype in LOW:
       _assert_rounded_once(products["inv_low"], products["inv"], what)
     if r:

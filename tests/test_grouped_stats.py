@@ -201,8 +201,10 @@ def test_statistics_dots_do_not_grow_with_same_shaped_layers():
     jaxpr = jax.make_jaxpr(vgs)(params, batch, jax.random.PRNGKey(0))
     counts.append(helpers.count_primitive(jaxpr.jaxpr, "dot_general",
                                           "kfac_stats"))
-  # A and G of 3 groups (first, the same-shaped middle ones, last).
-  assert counts[0] == counts[1] == 6, counts
+  # A and G of 3 groups (first, the same-shaped middle ones, last), once
+  # in each platform's branch of the position stride (the CPU's every
+  # row, the others' every 4th), chosen when the program is lowered.
+  assert counts[0] == counts[1] == 2 * 6, counts
 
 
 @pytest.mark.perf
@@ -339,7 +341,11 @@ def test_split_at_runtime_indices_is_one_conditional():
   assert helpers.count_primitive(jaxpr, "dynamic_slice") == 8
   # One static slice: the element read by the conditional's predicate.
   assert helpers.count_primitive(jaxpr, "slice") == 1
-  assert helpers.count_primitive(jaxpr, "cond") == 1
+  # The CPU's conditional, inside the CPU branch of the choice made when
+  # the program is lowered (other platforms get constants:
+  # tests/test_platform_lowering.py).
+  assert helpers.count_primitive(jaxpr, "cond") == 2
+  assert helpers.count_primitive(jaxpr, "cond", within=("cond",)) == 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,17 +73,22 @@ def test_nonfinite_grads_keep_schedule_caches_and_momentum(problem):
 def _conds(jaxpr, factor_shapes):
   """``(takes a factor-shaped operand, nested conds that take one)`` per
   top-level cond (small nested conds, such as linalg.opaque_indices', are
-  not counted)."""
+  not counted, nor conds on ``jax.lax.platform_dependent``'s platform
+  index, which lowering resolves: no conditional at run time)."""
   def takes(eqn):
     return any(getattr(v.aval, "shape", None) in factor_shapes
                for v in eqn.invars)
+
+  def runtime_conds(eqns):
+    platform = {v for e in eqns if e.primitive.name == "platform_index"
+                for v in e.outvars}
+    return [e for e in eqns if e.primitive.name == "cond"
+            and e.invars[0] not in platform]
+
   out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name != "cond":
-      continue
+  for eqn in runtime_conds(jaxpr.eqns):
     nested = sum(1 for br in eqn.params["branches"]
-                 for e in br.jaxpr.eqns
-                 if e.primitive.name == "cond" and takes(e))
+                 for e in runtime_conds(br.jaxpr.eqns) if takes(e))
     out.append((takes(eqn), nested))
   return out
 
