@@ -260,8 +260,7 @@ def _runner(structure: Structure) -> Runner:
         jax.tree.leaves(wide), jax.tree.leaves(inv)))}
     if runner.exp1:
       products["back"] = est.multiply(es, inv)
-      products["cond"] = _condition_number(lambda u: est.multiply(es, u),
-                                           wide)
+      products["dense"] = _dense(lambda u: est.multiply(es, u), wide)
     if m.dtype in LOW:
       products.update(inv=inv, inv_low=est.multiply_inverse(es, v))
     return direction, state, products
@@ -367,15 +366,20 @@ def _assert_rounded_once(low, wide, what):
         f"the wide one rounded once: {lo[bad][:3]} vs {wi[bad][:3]}")
 
 
-def _condition_number(multiply, like):
-  """The 2-norm condition number of the damped curvature ``multiply``
-  applies, from its dense matrix (one product per parameter: the
-  generated models are small)."""
+def _dense(multiply, like):
+  """The dense matrix of the damped curvature ``multiply`` applies (one
+  product per parameter: the generated models are small)."""
   flat, unravel = jax.flatten_util.ravel_pytree(like)
-  dense = jax.vmap(lambda e: jax.flatten_util.ravel_pytree(
+  return jax.vmap(lambda e: jax.flatten_util.ravel_pytree(
       multiply(unravel(e)))[0])(jnp.eye(flat.size, dtype=flat.dtype))
-  eig = jnp.linalg.eigvalsh(0.5 * (dense + dense.T))
-  return eig[-1] / eig[0]
+
+
+def _condition_number(dense) -> float:
+  """The largest 2-norm condition number of ``dense`` (``[..., P, P]``,
+  one matrix per replica), in float64."""
+  dense = np.asarray(dense, np.float64).reshape((-1,) + dense.shape[-2:])
+  eig = np.linalg.eigvalsh(0.5 * (dense + np.swapaxes(dense, -1, -2)))
+  return float(np.max(eig[:, -1] / eig[:, 0]))
 
 
 def _relative_error(got, want):
@@ -471,7 +475,7 @@ def _check(structure: Structure, nums: Numbers) -> None:
         f"{what}: v^T F^-1 v <= 0")
     if runner.exp1:
       err = _relative_error(products["back"], v)
-      cond = float(np.max(np.asarray(products["cond"])))
+      cond = _condition_number(products["dense"])
       rtol = ROUNDTRIP_RTOL["float64" if m.dtype == "float64"
                             else "float32"] * max(1.0, cond / ROUNDTRIP_COND)
       assert err <= rtol, (
