@@ -236,11 +236,6 @@ class CacheWatch:
     return out
 
 
-def steps_to(run: char_gpt.Run, target: float) -> Optional[int]:
-  """First evaluated step at which validation loss <= target."""
-  return next((s for s, _, l in run.curve if l <= target), None)
-
-
 def report(runs, watches) -> dict:
   """Prints the table; returns one dict of figures per run."""
   adam = runs[0]
@@ -255,7 +250,8 @@ def report(runs, watches) -> dict:
   out = {}
   for r, w in zip(runs, watches):
     step, _, best = min(r.curve, key=lambda c: c[2])
-    n, t = steps_to(r, target), char_gpt.seconds_to_loss(r, target)
+    n, t = (char_gpt.steps_to_loss(r, target),
+            char_gpt.seconds_to_loss(r, target))
     out[r.name] = dict(best=best, best_step=step, steps_to_target=n,
                        seconds_to_target=t, median_step=char_gpt.median_step(
                            r), first_call=r.first_call, cache=w.result)

@@ -387,12 +387,21 @@ def median_step(run: Run) -> float:
   return float(np.median(run.step_seconds[1:] or run.step_seconds))
 
 
+def _reached(run: Run, target: float) -> Optional[tuple]:
+  """The first ``(step, seconds, loss)`` of the curve with loss <= target."""
+  return next((c for c in run.curve if c[2] <= target), None)
+
+
 def seconds_to_loss(run: Run, target: float) -> Optional[float]:
   """First measured training seconds at which validation loss <= target."""
-  for _, secs, loss in run.curve:
-    if loss <= target:
-      return secs
-  return None
+  hit = _reached(run, target)
+  return None if hit is None else hit[1]
+
+
+def steps_to_loss(run: Run, target: float) -> Optional[int]:
+  """First evaluated step at which validation loss <= target."""
+  hit = _reached(run, target)
+  return None if hit is None else hit[0]
 
 
 # ------------------------------------------------------------- outputs ----
