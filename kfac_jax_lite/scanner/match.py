@@ -217,15 +217,8 @@ class Matcher:
       return None   # A reshape is pending: not composable with a transpose.
     p = tuple(self.eqn.params["permutation"])
     perm = tuple(old[i] for i in p)
-    feat_at = None
-    if d.feat is not None:
-      m = len(d.feat)
-      at = len(in_shape) - m if d.feat_at is None else d.feat_at
-      pos = [p.index(a) for a in range(at, at + m)]
-      if pos != list(range(pos[0], pos[0] + m)):
-        return self._move(d, feat=None, **self._layout(canon, perm, None))
-      feat_at = pos[0]
-    return self._move(d, **self._layout(canon, perm, feat_at))
+    feat, feat_at = _moved_features(d, in_shape, p.index)
+    return self._move(d, feat=feat, **self._layout(canon, perm, feat_at))
 
   def _reshape(self):
     """A reshape that only adds or drops unit axes of a site's output
@@ -243,17 +236,8 @@ class Matcher:
     if [in_shape[i] for i in big_in] != [out_shape[i] for i in big_out]:
       return None
     canon = d.canon or in_shape
-    feat, feat_at = d.feat, None
-    if feat is not None:
-      m = len(feat)
-      at = len(in_shape) - m if d.feat_at is None else d.feat_at
-      where = dict(zip(big_in, big_out))
-      pos = [where.get(a) for a in range(at, at + m)]
-      first = pos[0]
-      if first is None or pos != list(range(first, first + m)):
-        feat = None
-      else:
-        feat_at = first
+    feat, feat_at = _moved_features(d, in_shape,
+                                    dict(zip(big_in, big_out)).get)
     perm = d.perm or tuple(range(len(canon)))
     return self._move(d, feat=feat, **self._layout(canon, perm, feat_at))
 
@@ -454,3 +438,16 @@ class Matcher:
     return None
 
 
+def _moved_features(d: Draft, in_shape: tuple, new_axis) -> tuple:
+  """``(feat, feat_at)`` of draft ``d`` once its output's axes move
+  (``new_axis(a)``: where input axis ``a`` goes, None if dropped): the
+  feature axes stay the layer's only while they stay together, in order."""
+  if d.feat is None:
+    return None, None
+  m = len(d.feat)
+  at = len(in_shape) - m if d.feat_at is None else d.feat_at
+  pos = [new_axis(a) for a in range(at, at + m)]
+  first = pos[0]
+  if first is None or pos != list(range(first, first + m)):
+    return None, None
+  return d.feat, first
