@@ -182,8 +182,9 @@ class FisherEstimator(products.CurvatureProducts):
           f"cov_ema_decay={self.cov_ema_decay!r} must be in [0, 1).")
     if isinstance(self.damping, (int, float)) and self.damping < 0:
       raise ValueError(f"damping={self.damping!r} must be >= 0.")
-    linearization.check_options(self.stats_fraction, self.stats_min_examples,
-                             self.num_samples, self.stats_position_stride)
+    linearization.check_options(
+        self.stats_fraction, self.stats_min_examples, self.num_samples,
+        self.stats_position_stride)
     distributed.check_options(self.axis_name, self.stats_sync,
                               self.distributed_inverses)
     exps = tuple(self.exps) if isinstance(self.exps, (list, tuple)) else (

@@ -120,7 +120,7 @@ def first_examples_of(batch, fraction: float):
     return batch
   total = sized[0].shape[0]
   return linearization.batch_head(batch, total,
-                               linearization.stats_rows(total, fraction))
+                                  linearization.stats_rows(total, fraction))
 
 
 def statistics_from_head(inner: optax.GradientTransformation,
