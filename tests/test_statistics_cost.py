@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kl
-from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
 
 D_IN, D_HID, VOCAB = 16, 48, 12
 
@@ -59,10 +59,10 @@ def test_strided_factors_average_to_the_full_factors(rows, stride, diagonal):
   kx, kg = jax.random.split(jax.random.PRNGKey(rows * 10 + stride))
   x = jax.random.normal(kx, (rows, 5))
   g = jax.random.normal(kg, (2, rows, 3))
-  full = kronecker.kron_stats(x, g, 1, diagonal, diagonal, "t")
+  full = layouts.kron_stats(x, g, 1, diagonal, diagonal, "t")
   k = min(stride, rows)
-  parts = [kronecker.kron_stats(x, g, 1, diagonal, diagonal, "t", stride,
-                                jnp.float32((o + 0.5) / k))
+  parts = [layouts.kron_stats(x, g, 1, diagonal, diagonal, "t", stride,
+                              jnp.float32((o + 0.5) / k))
            for o in range(k)]
   for name in ("a", "g"):
     mean = sum(p[name] for p in parts) / k

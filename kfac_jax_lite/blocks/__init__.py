@@ -32,6 +32,7 @@ from kfac_jax_lite.blocks import diagonal  # noqa: F401
 from kfac_jax_lite.blocks import embedding  # noqa: F401
 from kfac_jax_lite.blocks import full  # noqa: F401
 from kfac_jax_lite.blocks import kronecker  # noqa: F401
+from kfac_jax_lite.blocks import layouts  # noqa: F401
 from kfac_jax_lite.blocks import multi_use  # noqa: F401
 from kfac_jax_lite.blocks import scale_and_shift  # noqa: F401
 from kfac_jax_lite.blocks import sua  # noqa: F401

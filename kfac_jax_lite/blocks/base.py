@@ -79,7 +79,7 @@ class BlockConfig:
       ``"exact"`` (``(c A⊗G + λI)^e`` through eigendecompositions).
     stats_position_stride: ``k``: dense Kronecker factors average every
       ``k``-th of their rows from an offset drawn from
-      :attr:`LayerData.row_draw` (:func:`.kronecker.strided_rows`); None:
+      :attr:`LayerData.row_draw` (:func:`.layouts.strided_rows`); None:
       ``k`` is chosen per platform when lowering (1 on CPU, 4 elsewhere).
   """
   exps: tuple = (-1,)

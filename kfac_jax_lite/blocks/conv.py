@@ -37,6 +37,7 @@ from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import diagonal
 from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
 from kfac_jax_lite.blocks import per_example
 from kfac_jax_lite.layer import Layer
 
@@ -144,7 +145,7 @@ class ConvGeometry:
       p = self.patches(x.reshape((b * u,) + x.shape[2:]).astype(dt))
       rows.append(p.reshape(b, -1, p.shape[-1]))
     x = jnp.concatenate(rows, axis=1)
-    return kronecker.append_ones(x) if has_bias else x
+    return layouts.append_ones(x) if has_bias else x
 
   def site_grads(self, data):
     """Output-gradient rows ``[S, B, R, c_out]`` over every site."""
@@ -252,8 +253,8 @@ class ConvLayout:
     g = self.geometry.site_grads(data)
     x = x.reshape(-1, x.shape[-1])
     g = g.reshape(g.shape[0], -1, g.shape[-1])
-    return kronecker.kron_stats(x, g, data.batch_size, a_diagonal,
-                                g_diagonal, "conv layer")
+    return layouts.kron_stats(x, g, data.batch_size, a_diagonal,
+                              g_diagonal, "conv layer")
 
 
 @dataclasses.dataclass(frozen=True)

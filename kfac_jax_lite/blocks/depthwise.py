@@ -64,6 +64,7 @@ from kfac_jax_lite.blocks import combinators
 from kfac_jax_lite.blocks import conv
 from kfac_jax_lite.blocks import diagonal
 from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
 from kfac_jax_lite.blocks import per_example
 from kfac_jax_lite.layer import Layer
 
@@ -265,9 +266,9 @@ def depthwise_kron_block(layer: Layer, config: base.BlockConfig):
   _check_params(layer)
   source = DepthwiseGrads(depthwise_layout(layer))
   lay = source.layout
-  matrix = kronecker.MatrixLayout(a_dim=lay.window + int(lay.has_bias),
-                                  g_dim=lay.multiplier,
-                                  init_scale=layer.num_uses)
+  matrix = layouts.MatrixLayout(a_dim=lay.window + int(lay.has_bias),
+                                g_dim=lay.multiplier,
+                                init_scale=layer.num_uses)
   inner = kronecker.KroneckerBlock(layer=None, config=config, layout=matrix)
   return combinators.VmappedBlock(layer=layer, config=config, inner=inner,
                                   size=lay.channels, axis=ChannelAxis(source))

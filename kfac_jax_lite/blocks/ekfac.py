@@ -89,6 +89,7 @@ from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import conv
 from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
 from kfac_jax_lite.blocks import per_example
 from kfac_jax_lite.layer import Layer
 
@@ -128,14 +129,14 @@ def projected_moments(x, g, ua, ug):
 @dataclasses.dataclass(frozen=True)
 class DenseRows:
   """Per-example rows of a (possibly multi-use) dense layer."""
-  layout: kronecker.DenseLayout
+  layout: layouts.DenseLayout
 
   def rows(self, data: base.LayerData):
     """``[B, R, d_a]`` inputs (with the bias 1) and ``[S, B, R, d_g]``."""
     lay = self.layout
     x, g = per_example.DenseGrads(lay.d_in, lay.d_out, lay.has_bias)._rows(
         data)
-    return (kronecker.append_ones(x) if lay.has_bias else x), g
+    return (layouts.append_ones(x) if lay.has_bias else x), g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +192,7 @@ class EKFACBlock(base.Shorthands, base.FieldFactors):
           f"EK-FAC layer {base.layer_name(self)!r}: inputs have {b} examples "
           f"but batch_size={data.batch_size}. Every recorded input must "
           "have the batch as its leading axis.")
-    stats = kronecker.kron_stats(
+    stats = layouts.kron_stats(
         x.reshape(b * r, -1), g.reshape(g.shape[0], b * r, -1), b,
         False, False, "EK-FAC layer")
     return dict(stats, x=x, dy=g)
@@ -259,7 +260,7 @@ class EKFACBlock(base.Shorthands, base.FieldFactors):
     """``U diag(vec s) Uᵀ``, undamped, in ravel order of the params."""
     u = jnp.kron(state.cache["a_eigvec"], state.cache["g_eigvec"])
     f = (u * state.s.reshape(-1)[None, :]) @ u.T
-    return kronecker.to_ravel_order(f, self.layout.ravel_index())
+    return layouts.to_ravel_order(f, self.layout.ravel_index())
 
 
 def dense_ekfac_block(layer: Layer, config: base.BlockConfig) -> EKFACBlock:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
 from kfac_jax_lite.layer import Layer
 
 
@@ -70,7 +71,7 @@ class EmbeddingLayout:
     n = ids.shape[0]
     c = base.rows_per_example(n, data.batch_size, "embedding layer")
     counts = jnp.zeros((self.vocab,), dt).at[ids.astype(jnp.int32)].add(1.0)
-    return {"a": counts / n, "g": kronecker.source_moment(g, g_diagonal),
+    return {"a": counts / n, "g": layouts.source_moment(g, g_diagonal),
             "scale": jnp.asarray(c, dt)}
 
 

@@ -12,26 +12,24 @@ factors' minibatch statistics are formed:
   ``T`` uses, ``c = T``;
 * multi-use dense, ``kron_reduce`` (K-FAC-reduce, Eschenhagen et al. 2023):
   per example the mean input and the summed output gradient over the
-  uses, ``c = 1`` (:class:`ReduceDenseLayout`);
+  uses, ``c = 1`` (:class:`.layouts.ReduceDenseLayout`);
 * convolutions (KFC, Grosse & Martens 2016, eq. 23): patches over examples
   and locations, ``c`` = locations x uses (:mod:`.conv`);
 * embeddings: a diagonal input factor of lookup frequencies
   (:mod:`.embedding`).
 
-A layout has ``a_dim``, ``g_dim``, ``init_scale`` (``c`` before the first
-update), ``to_mat(v)``, ``from_mat(m, like)``, ``ravel_index()`` (where each
-matrix entry sits in ``ravel_pytree`` order, or None when the orders agree)
-and ``factor_stats(data, a_diagonal, g_diagonal) -> {"a", "g", "scale"}``.
-``c`` is a statistic too (``rows / B``, e.g. the number of conv output
-locations, known only from the data), kept in the state with the factors.
+The layouts, and the row statistics they share, are in :mod:`.layouts`;
+this module is the block: its state, the damped refresh of its factors'
+caches and the products with ``c · A ⊗ G``.
 
 Either factor may be kept diagonal (``kron_in_diag``, ``kron_out_diag``,
 ``kron_both_diag``), stored as a vector.
 
 A dense layout's factors may average every ``k``-th of their rows only,
 from an offset drawn at each statistics pass
-(``BlockConfig.stats_position_stride``, :func:`strided_rows`): an unbiased
-estimate of ``A`` and ``G`` whose products cost ``k`` times fewer flops.
+(``BlockConfig.stats_position_stride``, :func:`.layouts.strided_rows`): an
+unbiased estimate of ``A`` and ``G`` whose products cost ``k`` times fewer
+flops.
 
 Damping (TF K-FAC semantics): with :math:`\\lambda' = \\lambda / c`,
 ``damping_type="pi"`` uses :math:`c (A + \\pi\\sqrt{\\lambda'} I) \\otimes
@@ -42,15 +40,14 @@ Damping (TF K-FAC semantics): with :math:`\\lambda' = \\lambda / c`,
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple, Optional
 
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import layouts
 from kfac_jax_lite.layer import Layer
 
 
@@ -68,267 +65,6 @@ class KroneckerState(NamedTuple):
   scale: jnp.ndarray    # [] c = rows per example (locations x uses), EMA
   damping: jnp.ndarray  # [] the damping given to the last update_cache
   cache: dict           # name -> array (powers, Cholesky, eigenbases)
-
-
-def second_moment(rows, diagonal, count=None):
-  """``rowsᵀ rows / N`` (or its diagonal); ``rows`` is ``[n, d]``, ``N``
-  the ``count`` they stand for (default ``n``).
-
-  Not symmetrised here: every consumer of a factor's inverse or
-  eigenbasis symmetrises it once per refresh (:mod:`kfac_jax_lite.linalg`),
-  which saves a pass over every factor at every step
-  (docs/performance.md#unsymmetrised-factors). The rows are scaled by
-  ``1/√N`` before the product, where the scaling fuses into the kernel that
-  makes them (one kernel less per factor to compile).
-  """
-  n = rows.shape[0] if count is None else count
-  if diagonal:
-    return jnp.sum(jnp.square(rows), axis=0) / n
-  rows = rows * (1.0 / math.sqrt(n))
-  return rows.T @ rows
-
-
-def source_moment(rows, diagonal, count=None):
-  """``Σ_s rows_sᵀ rows_s / N`` for ``rows`` of shape ``[S, n, d]`` (``N``
-  as in :func:`second_moment`; not symmetrised either)."""
-  n = rows.shape[1] if count is None else count
-  if diagonal:
-    return jnp.sum(jnp.square(rows), axis=(0, 1)) / n
-  # One [S n, d] matrix, as second_moment's: XLA:CPU emits rowsᵀ rows
-  # with the transpose folded into the product, where the einsum over two
-  # contracted axes first copied the rows into a transposed layout.
-  rows = rows.reshape(-1, rows.shape[-1]) * (1.0 / math.sqrt(n))
-  return rows.T @ rows
-
-
-def strided_rows(rows, axis, stride, draw):
-  """Rows ``o, o + k, o + 2k, ...`` of ``rows`` along ``axis``.
-
-  ``k = min(stride, N)`` for ``N`` rows, zero rows appended up to a
-  multiple of ``k``, and the offset ``o = ⌊k·u⌋`` from the uniform draw
-  ``u ∈ (0, 1)``. Every row is in exactly one of the ``k`` offset classes,
-  so each enters with probability ``1/k`` and, for any function ``f`` of
-  the rows (``f(0) = 0``),
-
-  .. math::
-    \\mathbb{E}_o\\Big[\\frac{k}{N} \\sum_{j} f(x_{o + jk})\\Big]
-    = \\frac{1}{N} \\sum_{n=1}^{N} f(x_n):
-
-  the strided mean with count ``N/k`` is an unbiased estimate of the mean
-  over all rows (systematic sampling; Cochran 1977, "Sampling
-  Techniques", ch. 8). ``⌊k·u⌋`` is exactly uniform for ``k`` a power of
-  two (``u`` has 24 random bits), otherwise within ``2⁻²⁴``.
-
-  Returns:
-    ``(rows', N / k)``: the selected rows (``⌈N/k⌉`` along ``axis``) and
-    the count they stand for.
-  """
-  n = rows.shape[axis]
-  k = max(1, min(int(stride), n))
-  if k == 1:
-    return rows, n
-  m = -(-n // k)
-  if m * k != n:
-    pad = [(0, 0)] * rows.ndim
-    pad[axis] = (0, m * k - n)
-    rows = jnp.pad(rows, pad)
-  shape = rows.shape[:axis] + (m, k) + rows.shape[axis + 1:]
-  offset = jnp.minimum(jnp.floor(draw * k).astype(jnp.int32), k - 1)
-  picked = lax.dynamic_index_in_dim(rows.reshape(shape), offset,
-                                    axis=axis + 1, keepdims=False)
-  return picked, n / k
-
-
-def kron_stats(x, g, batch_size, a_diagonal, g_diagonal, what,
-               stride: int = 1, draw=None):
-  """Factor statistics from input rows ``[N, d_a]`` and grads ``[S, N, d_g]``.
-
-  .. math::
-    A = \\frac{1}{N} \\sum_n \\bar a_n \\bar a_n^T, \\quad
-    G = \\frac{1}{N} \\sum_{s, n} g_{s,n} g_{s,n}^T, \\quad c = N / B
-
-  with ``N = B c`` rows (examples x uses x locations). With ``stride > 1``
-  and a ``draw``, both sums run over the rows ``o, o + k, ...`` only,
-  ``k = min(stride, c)``, and are divided by ``N/k`` (:func:`strided_rows`:
-  unbiased, ``k`` times fewer flops); ``c`` still counts every row. The
-  stride thins an example's positions, never the examples: with one row
-  per example (``c = 1``) every row is used.
-  """
-  c = base.rows_per_example(x.shape[0], batch_size, what)
-  stride = min(stride, c)
-  count = None
-  if stride > 1 and draw is not None:
-    x, count = strided_rows(x, 0, stride, draw)
-    g, _ = strided_rows(g, 1, stride, draw)
-  return {"a": second_moment(x, a_diagonal, count),
-          "g": source_moment(g, g_diagonal, count),
-          "scale": jnp.asarray(c, linalg.factor_dtype())}
-
-
-def append_ones(x):
-  """Appends the homogeneous coordinate (a column of ones) for a bias."""
-  return jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseLayout:
-  """Dense (and multi-use dense) parameters as ``V = [w; b]``.
-
-  Inputs ``[B, U, ..., d_in]`` give ``B·U·...`` rows; every position is a
-  use of the weights, so ``c = U·...`` (summed over tag sites).
-
-  ``kernel_perm`` (with the leaf's ``kernel_shape``) is for a kernel kept in
-  another layout than ``[*in_axes, *out_axes]``: Equinox's ``Linear`` holds
-  ``[d_out, d_in]`` and computes ``w @ x`` (``kernel_perm = (1, 0)``). ``W``
-  is then the kernel of the same layer written ``x @ w.T``, so the factors,
-  the curvature and the direction do not depend on how the product was
-  written (the inputs and output gradients the scanner records are in the
-  ``[..., d_in]`` / ``[..., d_out]`` layout either way).
-  """
-  d_in: int
-  d_out: int
-  has_bias: bool
-  num_uses: int
-  kernel_perm: Optional[tuple] = None
-  kernel_shape: Optional[tuple] = None
-
-  @property
-  def a_dim(self) -> int:
-    return self.d_in + int(self.has_bias)
-
-  @property
-  def g_dim(self) -> int:
-    return self.d_out
-
-  @property
-  def init_scale(self) -> int:
-    return self.num_uses
-
-  def to_mat(self, v: tuple):
-    w = base.kernel_to_mat(v[0].astype(linalg.factor_dtype()),
-                           self.kernel_perm, self.d_in, self.d_out)
-    return base.with_bias_row(w, v[1] if self.has_bias else None)
-
-  def from_mat(self, m, like: tuple) -> tuple:
-    w, *b = base.split_bias_row(m, self.d_in, self.has_bias)
-    if self.kernel_perm is not None:
-      assert self.kernel_shape is not None  # recorded with kernel_perm
-      w = base.mat_to_kernel(w, self.kernel_perm, self.kernel_shape)
-    return base.vector_dtype_cast((w, *b), like)
-
-  def ravel_index(self):
-    """None when ``[w; b]`` row-major is the ravel order of ``(w, b)``."""
-    idx = base.kernel_ravel_index(self.kernel_perm, self.kernel_shape,
-                                  self.d_in, self.d_out)
-    if idx is None:
-      return None
-    n = idx.size
-    rows = [idx] + ([np.arange(n, n + self.d_out)[None]]
-                    if self.has_bias else [])
-    return np.concatenate(rows, axis=0).reshape(-1)
-
-  def rows(self, data: base.LayerData):
-    """Input rows ``[N, d_a]`` and gradient rows ``[S, N, d_g]``."""
-    dt = linalg.factor_dtype()
-    x = jnp.concatenate([inp[0].reshape(-1, self.d_in).astype(dt)
-                         for inp in data.inputs], axis=0)
-    if self.has_bias:
-      x = append_ones(x)
-    g = jnp.concatenate([gr.reshape(gr.shape[0], -1, self.d_out).astype(dt)
-                         for gr in data.grads], axis=1)
-    return x, g
-
-  def factor_stats(self, data, a_diagonal, g_diagonal,
-                   stride: int = 1) -> dict:
-    """:func:`kron_stats` of :meth:`rows`; ``stride``: every ``k``-th row
-    from an offset drawn from ``data.row_draw``."""
-    x, g = self.rows(data)
-    return kron_stats(x, g, data.batch_size, a_diagonal, g_diagonal,
-                      "dense layer", stride, data.row_draw)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReduceDenseLayout(DenseLayout):
-  """K-FAC-reduce for a dense layer shared over positions (``kron_reduce``).
-
-  With ``R`` uses per example (the positions of ``[B, T, ..., d_in]``
-  inputs, scan steps, repeated tags), Eschenhagen et al. (2023) average
-  the inputs and sum the output gradients over the
-  shared axis *before* the outer products:
-
-  .. math::
-    \\bar a_b = \\frac{1}{R} \\sum_{r} \\bar a_{b,r}, \\quad
-    \\bar g_{s,b} = \\sum_{r} g_{s,b,r}, \\quad
-    A = \\frac{1}{B} \\sum_b \\bar a_b \\bar a_b^T, \\quad
-    G = \\frac{1}{B} \\sum_{s,b} \\bar g_{s,b} \\bar g_{s,b}^T,
-    \\quad c = 1
-
-  (``ā`` with the bias's 1 appended). The factors cost ``B`` rows instead
-  of ``B·R``. It is exact (``A ⊗ G`` equals the layer's Fisher/GGN block)
-  for a deep linear network whose outputs are reduced over the shared
-  axis before a Gaussian loss; :class:`DenseLayout` (``kron_indep``,
-  K-FAC-expand) is exact when every position has its own loss instead.
-  With ``R = 1`` both are K-FAC.
-
-  References:
-    Eschenhagen, Immer, Turner, Schneider & Hennig (2023), "Kronecker-
-    Factored Approximate Curvature for Modern Neural Network
-    Architectures", NeurIPS.
-  """
-
-  @property
-  def init_scale(self) -> int:
-    return 1
-
-  def factor_stats(self, data, a_diagonal, g_diagonal,
-                   stride: int = 1) -> dict:
-    """Every per-example row (``stride`` is ignored: ``B`` rows are
-    already few)."""
-    del stride
-    x, g = self.rows(data)
-    return kron_stats(x, g, data.batch_size, a_diagonal, g_diagonal,
-                      "dense layer")
-
-  def rows(self, data: base.LayerData):
-    """Per-example rows: mean inputs ``[B, d_a]``, summed gradients
-    ``[S, B, d_g]``."""
-    dt = linalg.factor_dtype()
-    n = data.batch_size
-    x = jnp.concatenate([inp[0].reshape(n, -1, self.d_in).astype(dt)
-                         for inp in data.inputs], axis=1)
-    x = jnp.mean(append_ones(x) if self.has_bias else x, axis=1)
-    g = jnp.concatenate([gr.reshape(gr.shape[0], n, -1, self.d_out)
-                         .astype(dt) for gr in data.grads], axis=2)
-    return x, jnp.sum(g, axis=2)
-
-
-@dataclasses.dataclass(frozen=True)
-class MatrixLayout:
-  """A one-array parameter that *is* the ``[a_dim, g_dim]`` matrix.
-
-  Used by blocks that compute their own statistics and run a
-  :class:`KroneckerBlock` per slice (e.g. per channel of a depthwise conv).
-  """
-  a_dim: int
-  g_dim: int
-  init_scale: int = 1
-
-  def to_mat(self, v: tuple):
-    return v[0].astype(linalg.factor_dtype()).reshape(self.a_dim, self.g_dim)
-
-  def from_mat(self, m, like: tuple) -> tuple:
-    return base.vector_dtype_cast((m,), like)
-
-  def ravel_index(self):
-    return None
-
-
-def to_ravel_order(f, index):
-  """Permutes a matrix-order block to ravel order (``index`` as layouts')."""
-  if index is None:
-    return f
-  index = jnp.asarray(index)
-  return jnp.zeros_like(f).at[index[:, None], index[None, :]].set(f)
 
 
 def _add_diag(f, d):
@@ -385,11 +121,12 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
   def compute_stats(self, data: base.LayerData) -> dict:
     """The layout's factor statistics; a dense layout's from every
     ``k``-th row when ``config.stats_position_stride`` is ``k > 1`` and
-    ``data.row_draw`` is given (:func:`strided_rows`), ``k`` chosen when
-    lowering if the stride is None (:data:`PLATFORM_STRIDES`)."""
+    ``data.row_draw`` is given (:func:`.layouts.strided_rows`), ``k``
+    chosen when lowering if the stride is None (:data:`PLATFORM_STRIDES`).
+    """
     stride = self.config.stats_position_stride
     if (stride == 1 or data.row_draw is None
-        or not isinstance(self.layout, DenseLayout)):
+        or not isinstance(self.layout, layouts.DenseLayout)):
       return self.layout.factor_stats(data, self.a_diagonal, self.g_diagonal)
     strided = lambda k: lambda: self.layout.factor_stats(  # noqa: E731
         data, self.a_diagonal, self.g_diagonal, k)
@@ -585,43 +322,17 @@ class KroneckerBlock(base.Shorthands, base.FieldFactors):
     """``c · kron(A, G)``, undamped, in ravel order of the params."""
     f = state.scale * jnp.kron(linalg.as_matrix(state.a),
                                linalg.as_matrix(state.g))
-    return to_ravel_order(f, self.layout.ravel_index())
-
-
-def dense_dims(layer: Layer) -> tuple:
-  """``(d_in, d_out, kernel_perm)`` of a dense layer's kernel.
-
-  A recognised kernel may say (in its metadata) which of its axes are
-  inputs: ``kernel_perm`` orders the leaf's axes as ``[*in_axes,
-  *out_axes]`` (Equinox's ``[d_out, d_in]``: ``(1, 0)``) and
-  ``kernel_in_axes`` counts the input axes (DenseGeneral's ``[*in_axes,
-  *out_axes]``); the matrix is the row-major reshape of the ordered kernel.
-
-  Raises:
-    ValueError: for a kernel that is not rank 2 and says neither.
-  """
-  w_shape = tuple(layer.param_shapes[0])
-  meta = layer.meta_dict
-  perm = meta.get("kernel_perm")
-  k = meta.get("kernel_in_axes")
-  if k is None and len(w_shape) != 2:
-    raise ValueError(
-        f"Layer {layer.name!r} has kernel shape {w_shape}; a Kronecker block "
-        "needs a rank-2 [d_in, d_out] kernel. Register it with "
-        "register_generic(...) or pass approx='diagonal'.")
-  k = 1 if k is None else k
-  shape = w_shape if perm is None else tuple(w_shape[a] for a in perm)
-  perm = None if perm is None else tuple(perm)
-  return math.prod(shape[:k]), math.prod(shape[k:]), perm
+    return layouts.to_ravel_order(f, self.layout.ravel_index())
 
 
 def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
   """The Kronecker block of a (possibly multi-use) dense layer."""
-  d_in, d_out, perm = dense_dims(layer)
-  layout = DenseLayout(d_in=d_in, d_out=d_out, has_bias=layer.has_bias,
-                       num_uses=layer.num_uses, kernel_perm=perm,
-                       kernel_shape=tuple(layer.param_shapes[0])
-                       if perm is not None else None)
+  d_in, d_out, perm = layouts.dense_dims(layer)
+  layout = layouts.DenseLayout(
+      d_in=d_in, d_out=d_out, has_bias=layer.has_bias,
+      num_uses=layer.num_uses, kernel_perm=perm,
+      kernel_shape=tuple(layer.param_shapes[0]) if perm is not None
+      else None)
   approx = layer.approx
   return KroneckerBlock(
       layer=layer, config=config, layout=layout,
@@ -631,10 +342,11 @@ def dense_block(layer: Layer, config: base.BlockConfig) -> KroneckerBlock:
 
 def dense_reduce_block(layer: Layer, config: base.BlockConfig
                        ) -> KroneckerBlock:
-  """The K-FAC-reduce block of a dense layer (:class:`ReduceDenseLayout`)."""
+  """The K-FAC-reduce block of a dense layer
+  (:class:`.layouts.ReduceDenseLayout`)."""
   expand = dense_block(layer, config)
   lay = expand.layout
-  return dataclasses.replace(expand, layout=ReduceDenseLayout(
+  return dataclasses.replace(expand, layout=layouts.ReduceDenseLayout(
       d_in=lay.d_in, d_out=lay.d_out, has_bias=lay.has_bias,
       num_uses=lay.num_uses, kernel_perm=lay.kernel_perm,
       kernel_shape=lay.kernel_shape))

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
 from kfac_jax_lite.layer import Layer
 
 
@@ -125,7 +126,7 @@ class SeriesBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
   """``kron_series_1`` (option=1) or ``kron_series_2`` (option=2)."""
   layer: Layer
   config: base.BlockConfig
-  layout: kronecker.DenseLayout
+  layout: layouts.DenseLayout
   option: int
   needs_param_grads = False
   factor_fields = ("a0", "a1", "g0", "g1")
@@ -158,7 +159,7 @@ class SeriesBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
     x = jnp.concatenate([inp[0].reshape(inp[0].shape[0], -1, lay.d_in)
                          for inp in data.inputs], axis=1).astype(dt)
     if lay.has_bias:
-      x = kronecker.append_ones(x)
+      x = layouts.append_ones(x)
     g = jnp.concatenate([gr.reshape(gr.shape[:2] + (-1, lay.d_out))
                          for gr in data.grads], axis=2).astype(dt)
     if x.shape[1] != self._t:

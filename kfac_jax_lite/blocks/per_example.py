@@ -97,7 +97,7 @@ class DenseGrads:
   d_in: int
   d_out: int
   has_bias: bool
-  kernel_perm: Optional[tuple] = None    # see kronecker.DenseLayout
+  kernel_perm: Optional[tuple] = None    # see layouts.DenseLayout
   kernel_shape: Optional[tuple] = None
   needs_param_grads = False
 

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import conv
-from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
 from kfac_jax_lite.layer import Layer
 
 
@@ -140,8 +140,8 @@ class SUAConvBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
     g = geo.site_grads(data)
     g = g.reshape(g.shape[0], -1, g.shape[-1])
     c = base.rows_per_example(g.shape[1], data.batch_size, "conv layer")
-    return {"s": kronecker.second_moment(x, False), "mu": jnp.mean(x, 0),
-            "g": kronecker.source_moment(g, False),
+    return {"s": layouts.second_moment(x, False), "mu": jnp.mean(x, 0),
+            "g": layouts.source_moment(g, False),
             "scale": jnp.asarray(c, dt)}
 
   def update_curvature(self, state, stats, ema_decay):
@@ -290,7 +290,7 @@ class SUAConvBlock(base.Shorthands, base.UnfusedProducts, base.FieldFactors):
       om = jnp.pad(om, ((0, 1), (0, 1)))
     mbar = self._mean_vector(state.mu)
     f = state.scale * jnp.kron(om + jnp.outer(mbar, mbar), state.g)
-    return kronecker.to_ravel_order(f, self.layout.ravel_index())
+    return layouts.to_ravel_order(f, self.layout.ravel_index())
 
 
 def conv_sua_block(layer: Layer, config: base.BlockConfig) -> SUAConvBlock:

@@ -76,7 +76,7 @@ import jax.numpy as jnp
 
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
-from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
 from kfac_jax_lite.layer import Layer
 
 _FACTORS = ("lookup_v", "lookup_d", "attend_v", "attend_d", "lookup_scale",
@@ -150,9 +150,9 @@ class TiedEmbeddingBlock(base.Shorthands, base.UnfusedProducts,
     zero = jnp.zeros((d, d), dt)
     return {
         "lookup_v": counts / max(n_e, 1),
-        "lookup_d": kronecker.source_moment(g, False) if n_e else zero,
+        "lookup_d": layouts.source_moment(g, False) if n_e else zero,
         "attend_v": jnp.sum(jnp.square(delta), axis=(0, 1)) / max(n_o, 1),
-        "attend_d": kronecker.second_moment(x, False) if n_o else zero,
+        "attend_d": layouts.second_moment(x, False) if n_o else zero,
         "lookup_scale": jnp.asarray(
             base.rows_per_example(n_e, data.batch_size, what), dt),
         "attend_scale": jnp.asarray(
