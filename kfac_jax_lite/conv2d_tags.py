@@ -3,8 +3,8 @@
 :func:`register_conv2d`, :func:`register_depthwise_conv2d` and
 :func:`register_separable_conv2d` take ``strides``, ``dilations`` /
 ``rate`` and ``data_format`` as TensorFlow's ``tf.nn`` functions do, check
-them, and bind the layer tag of :mod:`kfac_jax_lite.tags` (which
-re-exports them).
+them, and bind the layer tag of :mod:`kfac_jax_lite.tags`. The package
+exports them (``kfac_jax_lite.register_conv2d``, ...).
 """
 
 from __future__ import annotations

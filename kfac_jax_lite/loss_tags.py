@@ -1,10 +1,10 @@
 """Loss tags: the predictive distributions and custom losses.
 
 Each ``register_*`` function here checks its arrays and options and binds
-the loss tag of :mod:`kfac_jax_lite.tags` (which re-exports them), marking
-``z`` as the parameter of a predictive distribution
-(:mod:`kfac_jax_lite.losses`) or of a user's loss
-(:mod:`kfac_jax_lite.custom_losses`).
+the loss tag of :mod:`kfac_jax_lite.tags`, marking ``z`` as the parameter
+of a predictive distribution (:mod:`kfac_jax_lite.losses`) or of a user's
+loss (:mod:`kfac_jax_lite.custom_losses`). The package exports them
+(``kfac_jax_lite.register_softmax_cross_entropy_loss``, ...).
 """
 
 from __future__ import annotations

@@ -17,12 +17,13 @@ values: strides, padding, the requested approximation, the loss weight, ...
 
 The layers' ``register_*`` functions are here; the convolution tags with
 TensorFlow's argument names are in :mod:`kfac_jax_lite.conv2d_tags` and the
-loss tags in :mod:`kfac_jax_lite.loss_tags`, both re-exported from here.
+loss tags in :mod:`kfac_jax_lite.loss_tags`. Those modules import this one,
+never the reverse; every ``register_*`` function is exported by the package
+itself (``kfac_jax_lite.register_conv2d``, ...).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Optional, Sequence
 
 import jax
@@ -368,29 +369,3 @@ def register_generic(params, *, approx: Optional[str] = None):
   out = layer_tag("generic", leaves[0], (), tuple(leaves),
                   "register_generic", approx=approx)
   return jax.tree.unflatten(treedef, [out, *leaves[1:]])
-
-
-# The TensorFlow-named convolution tags and the loss tags live in their own
-# modules, which import this one: re-exported here, looked up on first use.
-_REEXPORTS = {
-    **dict.fromkeys(
-        ("register_conv2d", "register_depthwise_conv2d",
-         "register_separable_conv2d"),
-        "kfac_jax_lite.conv2d_tags"),
-    **dict.fromkeys(
-        ("register_categorical_predictive_distribution",
-         "register_softmax_cross_entropy_loss",
-         "register_normal_predictive_distribution",
-         "register_squared_error_loss",
-         "register_multi_bernoulli_predictive_distribution",
-         "register_sigmoid_cross_entropy_loss", "register_loss_function"),
-        "kfac_jax_lite.loss_tags"),
-}
-
-
-def __getattr__(name: str):
-  """The ``register_*`` functions of :mod:`kfac_jax_lite.conv2d_tags` and
-  :mod:`kfac_jax_lite.loss_tags`, re-exported from here."""
-  if name in _REEXPORTS:
-    return getattr(importlib.import_module(_REEXPORTS[name]), name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

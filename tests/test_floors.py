@@ -6,8 +6,12 @@ docs/architecture.md and imports only modules of its own floor or of the
 floors below. Imports are read from the source (``ast``): every import
 statement anywhere in a module (a function-level import counts as much as
 a top-level one, and is refused), and ``importlib.import_module`` /
-``__import__`` of a package name, which is refused too. The package's
-import graph has no cycle.
+``__import__`` of a package name, which is refused too. No module looks
+names up lazily: a module-level ``__getattr__`` (or ``__dir__``), any use
+of ``importlib`` and any call of ``__import__`` are refused, whatever they
+import, since an import they make is one the floors cannot see. The
+package's import graph has no cycle, and every module is under the line
+budget (``MAX_LINES``).
 """
 
 import ast
@@ -19,6 +23,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kfac_jax_lite"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
+# A module past this many lines is split (along a seam that names itself).
+MAX_LINES = 550
 
 
 def _modules() -> dict:
@@ -125,6 +131,58 @@ def test_no_import_is_hidden_in_a_function_or_importlib():
   assert not hidden, hidden
 
 
+def _module_level(body):
+  """The statements at a module's top level, through ``if`` / ``try`` /
+  ``with`` blocks (not into functions or classes)."""
+  for node in body:
+    yield node
+    for field in ("body", "orelse", "finalbody"):
+      inner = getattr(node, field, None)
+      if isinstance(inner, list) and not isinstance(
+          node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        yield from _module_level(inner)
+    for handler in getattr(node, "handlers", ()):
+      yield from _module_level(handler.body)
+
+
+def _lazy_lookups(path: pathlib.Path) -> list:
+  """``[(line, what)]``: module ``__getattr__`` / ``__dir__``, imports of
+  ``importlib`` and any ``__import__`` in the module at ``path``."""
+  tree = ast.parse(path.read_text())
+  found = [(n.lineno, f"module-level {n.name}")
+           for n in _module_level(tree.body)
+           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+           and n.name in ("__getattr__", "__dir__")]
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      found += [(node.lineno, f"import {a.name}") for a in node.names
+                if a.name.split(".")[0] == "importlib"]
+    elif isinstance(node, ast.ImportFrom) and node.module and \
+        node.module.split(".")[0] == "importlib":
+      found.append((node.lineno, f"from {node.module} import"))
+    elif isinstance(node, ast.Name) and node.id == "__import__":
+      found.append((node.lineno, "__import__"))
+  return found
+
+
+def test_no_module_getattr_importlib_or_dunder_import():
+  lazy = [f"{m}:{line} {what}" for m, p in MODULES.items()
+          for line, what in _lazy_lookups(p)]
+  assert not lazy, (
+      f"{lazy}: import what a module needs at its top (from the floors "
+      "below), and let the package's __init__.py export names; no lazy "
+      "lookups.")
+
+
+def test_every_module_is_under_the_line_budget():
+  long = {m: n for m, p in MODULES.items()
+          if (n := len(p.read_text().splitlines())) > MAX_LINES}
+  assert not long, (
+      f"{long} have more than {MAX_LINES} lines; split each along a seam "
+      "that names itself, as blocks/kronecker.py (the block) and "
+      "blocks/layouts.py (its layouts and row statistics) are.")
+
+
 def test_the_import_graph_has_no_cycle():
   deps = {m: d - {"kfac_jax_lite"} for m, d in _package_deps().items()
           if m != "kfac_jax_lite"}
@@ -159,3 +217,20 @@ def test_the_reader_sees_nested_and_dynamic_imports(source, how, tmp_path):
   path.write_text(source)
   found = _imports(path)
   assert [h for uses in found.values() for _, h in uses] == [how], found
+
+
+@pytest.mark.parametrize("source,want", [
+    ("import importlib\n", ["import importlib"]),
+    ("import importlib.util as u\n", ["import importlib.util"]),
+    ("from importlib import import_module\n", ["from importlib import"]),
+    ("m = __import__('kfac_jax_lite.tags')\n", ["__import__"]),
+    ("def __getattr__(name):\n  raise AttributeError(name)\n",
+     ["module-level __getattr__"]),
+    ("import sys\nif sys:\n  def __dir__():\n    return []\n",
+     ["module-level __dir__"]),
+    ("class C:\n  def __getattr__(self, name):\n    return name\n", []),
+    ("def f():\n  def __getattr__(name):\n    return name\n", [])])
+def test_the_reader_sees_lazy_lookups(source, want, tmp_path):
+  path = tmp_path / "m.py"
+  path.write_text(source)
+  assert [what for _, what in _lazy_lookups(path)] == want

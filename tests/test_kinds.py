@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import importlib
 import pathlib
 from typing import NamedTuple
 
@@ -128,6 +129,18 @@ def test_registry_collection_and_scanner_import_no_block_module(start):
 def test_blocks_do_not_import_the_collection():
   for path in (PACKAGE / "blocks").glob("*.py"):
     assert "kfac_jax_lite.collection" not in _imports(path), path
+
+
+def test_every_named_factory_resolves_to_its_function():
+  """Each registry name ``"module.function"`` gives that function of
+  ``kfac_jax_lite.blocks.module``."""
+  for kind, spec in kinds.KINDS.items():
+    for approx, name in spec.factories:
+      module, function = name.rsplit(".", 1)
+      factory = blocks.registered_factory(kind, approx)
+      assert factory is not None, (kind, approx)
+      family = importlib.import_module(f"kfac_jax_lite.blocks.{module}")
+      assert factory is getattr(family, function), (kind, approx, name)
 
 
 # ---------------------------------------------------------------------------

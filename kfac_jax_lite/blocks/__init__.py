@@ -19,25 +19,27 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Mapping, Optional
 
 from kfac_jax_lite import kinds
 # Every family is imported here, so that kfac_jax_lite.blocks.<module> works
-# and the registry's named factories resolve without a later import.
-from kfac_jax_lite.blocks import base  # noqa: F401
-from kfac_jax_lite.blocks import conv  # noqa: F401
-from kfac_jax_lite.blocks import depthwise  # noqa: F401
-from kfac_jax_lite.blocks import diagonal  # noqa: F401
-from kfac_jax_lite.blocks import embedding  # noqa: F401
-from kfac_jax_lite.blocks import full  # noqa: F401
-from kfac_jax_lite.blocks import kronecker  # noqa: F401
-from kfac_jax_lite.blocks import layouts  # noqa: F401
-from kfac_jax_lite.blocks import multi_use  # noqa: F401
-from kfac_jax_lite.blocks import scale_and_shift  # noqa: F401
-from kfac_jax_lite.blocks import sua  # noqa: F401
-from kfac_jax_lite.blocks import tied  # noqa: F401
+# and the registry's named factories resolve (registered_factory) from the
+# modules in _FAMILIES, with no import at lookup time.
+from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import combinators
+from kfac_jax_lite.blocks import conv
+from kfac_jax_lite.blocks import depthwise
+from kfac_jax_lite.blocks import diagonal
+from kfac_jax_lite.blocks import ekfac
+from kfac_jax_lite.blocks import embedding
+from kfac_jax_lite.blocks import full
+from kfac_jax_lite.blocks import kronecker
+from kfac_jax_lite.blocks import layouts
+from kfac_jax_lite.blocks import multi_use
+from kfac_jax_lite.blocks import per_example
+from kfac_jax_lite.blocks import scale_and_shift
+from kfac_jax_lite.blocks import sua
+from kfac_jax_lite.blocks import tied
 from kfac_jax_lite.blocks.base import Block
 from kfac_jax_lite.blocks.base import BlockConfig
 from kfac_jax_lite.blocks.base import CholeskyProducts
@@ -54,6 +56,11 @@ __all__ = ["Block", "BlockConfig", "CholeskyProducts", "FactorBucketed",
 # A factory builds the block of one layer: (layer, config) -> block.
 Factory = Callable[[Layer, BlockConfig], object]
 
+# The modules a registry name ("kronecker.dense_block") may start with.
+_FAMILIES = {m.__name__.rpartition(".")[2]: m for m in (
+    base, combinators, conv, depthwise, diagonal, ekfac, embedding, full,
+    kronecker, layouts, multi_use, per_example, scale_and_shift, sua, tied)}
+
 
 def registered_factory(kind: str, approx: str) -> Optional[Factory]:
   """The built-in factory the registry names for ``(kind, approx)``."""
@@ -61,7 +68,7 @@ def registered_factory(kind: str, approx: str) -> Optional[Factory]:
   if name is None:
     return None
   module, function = name.rsplit(".", 1)
-  return getattr(importlib.import_module(f"{__name__}.{module}"), function)
+  return getattr(_FAMILIES[module], function)
 
 
 def _override(layer: Layer, overrides: Optional[Mapping]) -> Optional[Factory]:
