@@ -95,4 +95,5 @@ __all__ = [
     "value_grad_and_stats",
 ]
 
+# The one place the version is written; pyproject.toml reads it.
 __version__ = "0.1.0"
