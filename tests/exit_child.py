@@ -99,7 +99,8 @@ def build():
     step = jax.jit(step, donate_argnums=(0, 1))
   elif MODE == "pmap":
     step = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1))
-    params, state = jax.device_put_replicated((params, state), jax.devices())
+    params, state = jax.tree.map(lambda a: jnp.stack([a] * n),
+                                 (params, state))
     batch = jax.tree.map(lambda a: a.reshape(n, BATCH, *a.shape[1:]), batch)
   else:
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
