@@ -19,11 +19,13 @@ on its ``784-512-512-10`` MLP, batch 256) at ``--period``; with
 ``kfac_jax_lite/_blas_threads.py`` as it was at git revision ``REV``
 (``1df8dff``: thread-count handlers in Python, called from the compiled
 step), loaded from git into this process, so that both versions are
-timed interleaved, under the same load.
+timed interleaved, under the same load; with ``--unlimited`` also
+``kfac`` timed with the LAPACK library at the thread count it had before
+``kfac_jax_lite`` set it to one (what the limit saves).
 
 Run from the repository root::
 
-  python benchmarks/gil_contention.py --before 1df8dff
+  python benchmarks/gil_contention.py --before 1df8dff --unlimited
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_time as st  # noqa: E402
 
 import kfac_jax_lite  # noqa: E402
+from kfac_jax_lite import _blas_threads  # noqa: E402
 from kfac_jax_lite import estimator as estimator_lib  # noqa: E402
 
 MODES = ("alone", "spin", "hold")
+UNLIMITED = "kfac, LAPACK threads not limited"
 
 
 def load_module_at(rev: str):
@@ -101,12 +105,15 @@ def estimator_class(module):
       "update_cache": module.limited(cls.update_cache.__wrapped__)})
 
 
-def runners(problem, collection, period: int, before) -> list:
+def runners(problem, collection, period: int, before,
+            unlimited: bool) -> list:
   tx = optax.adam(1e-3)
   out = [st.Runner("optax.adam", lambda: st.adam_step(problem.loss_fn, tx),
                    tx, problem.params, problem.batches)]
   versions = [("kfac", None)] + ([(f"kfac, handlers of {before[0]}",
-                                   before[1])] if before else [])
+                                   before[1])] if before else []) + (
+                                       [(UNLIMITED, None)] if unlimited
+                                       else [])
   for name, module in versions:
     est = estimator_class(module)(collection, damping=0.0, exps=(-1,))
     tx = kfac_jax_lite.kfac(1e-2, collection, damping=1e-3,
@@ -119,8 +126,13 @@ def runners(problem, collection, period: int, before) -> list:
 
 
 def timed(r, steps: int) -> float:
-  """Seconds per step of ``steps`` queued steps, waited for at the end."""
+  """Seconds per step of ``steps`` queued steps, waited for at the end;
+  the :data:`UNLIMITED` row with the LAPACK library at its own count."""
   r.prepare()
+  applied, control = _blas_threads.applied, _blas_threads.thread_control()
+  if control and applied and applied["before"]:
+    control[1](applied["before"] if r.name.startswith(UNLIMITED)
+               else applied["after"])
   t0 = time.perf_counter()
   for _ in range(steps):
     batch = r.batches[r.count % len(r.batches)]
@@ -138,13 +150,16 @@ def main(argv=None) -> None:
   p.add_argument("--before", default="",
                  help="git revision whose _blas_threads wraps a second "
                  "kfac row (1df8dff: handlers in the step)")
+  p.add_argument("--unlimited", action="store_true",
+                 help="add a kfac row with LAPACK at its own thread count")
   args = p.parse_args(argv)
   st.warm_up_process()
   problem = st.mlp_problem(256)
   collection = kfac_jax_lite.scan(problem.loss_fn, problem.params,
                                   problem.batches[0])
   before = (args.before, load_module_at(args.before)) if args.before else None
-  rows = runners(problem, collection, args.period, before)
+  rows = runners(problem, collection, args.period, before,
+                 args.unlimited)
   busy, times = Busy(), {}
   load = [os.getloadavg()[0]]
   for r in rows:

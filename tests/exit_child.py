@@ -19,7 +19,9 @@ prints ``queued`` with whether the last one is still running, and ends as
   ``SystemExit(143)``, as training scripts that shut down cleanly do;
 * ``thread``: the steps are queued by another thread, which then raises;
   the main thread joins it and ends (status 0: Python's, for an exception
-  in a thread that is not the main one).
+  in a thread that is not the main one);
+* ``wait``: the reference: waits for the queued steps and prints how long
+  that took (``waited S``), then ends.
 """
 
 import os
@@ -138,6 +140,10 @@ def main():
     return
   running = queue(steps, 20)
   print(f"queued running={running}", flush=True)
+  if CASE == "wait":
+    t0 = time.monotonic()
+    jax.block_until_ready(steps[1])
+    print(f"waited {time.monotonic() - t0:.2f}", flush=True)
   if CASE == "exit":
     sys.exit(3)
   if CASE == "raise":
