@@ -171,6 +171,7 @@ def main(argv=None) -> None:
         times.setdefault((r.name, mode), []).append(
             timed(r, 2 * args.period))
   busy.set("alone")
+  timed(rows[0], 1)  # Adam's row: the LAPACK library back at the limit.
   load.append(os.getloadavg()[0])
   print(f"{problem.name}; {args.rounds} rounds of {2 * args.period} queued "
         f"steps per optimizer and mode, interleaved; median ms per step "
