@@ -496,8 +496,8 @@ def blas_environment() -> str:
   """What the timings ran under: the BLAS/OpenMP environment variables
   that are set (none, as a user's program would have them), and the
   library that runs jaxlib's CPU LAPACK kernels, with its build string
-  and its thread count outside the library's refresh (inside it
-  ``kfac_jax_lite`` limits it, see ``kfac_jax_lite/_blas_threads.py``).
+  and its thread count now (``kfac_jax_lite`` sets it to one when it
+  traces a refresh on the CPU, see ``kfac_jax_lite/_blas_threads.py``).
   Call it after a LAPACK kernel ran (:func:`warm_up_process`)."""
   import ctypes  # pylint: disable=import-outside-toplevel
   from kfac_jax_lite import _blas_threads  # pylint: disable=g-import-not-at-top
@@ -518,8 +518,11 @@ def blas_environment() -> str:
       lib += f" ({get().decode().strip()})"
       break
     if control is not None:
-      lib += (f", {control[0]()} threads outside the refresh, "
-              f"{_blas_threads.THREADS} inside")
+      applied = _blas_threads.applied
+      lib += f", {control[0]()} thread(s)" + (
+          "" if applied is None else
+          f" (kfac_jax_lite set {applied['after']}; it had "
+          f"{applied['before']})")
   return f"environment variables: {env}; {lib}"
 
 

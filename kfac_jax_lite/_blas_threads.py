@@ -1,4 +1,4 @@
-"""One BLAS/LAPACK thread while the library's own LAPACK work runs.
+"""One BLAS/LAPACK thread for the LAPACK work of a CPU process.
 
 On CPU, jaxlib runs Cholesky, triangular solves and eigendecompositions
 through the LAPACK that ``scipy.linalg.cython_lapack`` exports (scipy's
@@ -7,27 +7,24 @@ them, next to XLA's thread pool; on a small or busy machine the two pools
 oversubscribe the cores and the inverse refresh slows several-fold
 (docs/performance.md, *BLAS threads*).
 
-:func:`limited` wraps a traced computation (the refresh) so that the
-compiled program itself sets that library's thread count to
-:data:`THREADS` right before the computation and restores the previous
-count right after it, at run time, inside whatever ``jit``, ``lax.cond``
-or ``vmap`` the user put around it. The user's own numpy/scipy threading
-is untouched outside those calls.
+:func:`limited` wraps the refresh. When it is traced in a process whose
+default backend is the CPU, it sets that library's thread count to
+:data:`THREADS`, once for the process (:func:`limit_process_threads`), on
+the thread that traces. Nothing is added to the compiled program: the
+step runs no Python, so it never waits for the GIL (a busy data-loading
+thread does not stall it, and an interpreter shutting down while steps
+are in flight does not deadlock with them), and it is written to JAX's
+persistent compilation cache like any other program.
 
-Mechanism: two XLA FFI custom calls (``ENTER_TARGET``, ``EXIT_TARGET``),
-ordered and kept by data dependencies (:func:`limited`).
-Their handlers are Python functions exposed to XLA through ``ctypes``
-(XLA's FFI C ABI, ``xla/ffi/api/c_api.h``), registered by name: unlike
-``jax.pure_callback``/``io_callback`` they leave no host callback in the
-executable, so a step that contains them is still written to JAX's
-persistent compilation cache. They call the library's own thread-count
-functions (:func:`thread_control`). On other platforms the calls are not
-emitted (``lax.platform_dependent``).
+The count is the process's: the user's own ``scipy.linalg`` calls and
+JAX's other CPU LAPACK kernels run with it too (numpy's bundled OpenBLAS
+is a separate library in a pip install, and keeps its threads). It is
+set once: a count set afterwards (``threadpoolctl``, the library's own
+setter) is left as it is.
 """
 
 from __future__ import annotations
 
-import contextvars
 import ctypes
 import functools
 import logging
@@ -36,141 +33,11 @@ import threading
 from typing import Callable, Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 _log = logging.getLogger(__name__)
 
-#: Threads the BLAS/LAPACK library may use during a :func:`limited` call.
+#: Threads the BLAS/LAPACK library is given (:func:`limit_process_threads`).
 THREADS = 1
-
-ENTER_TARGET = "kfac_jax_lite_blas_threads_enter"
-EXIT_TARGET = "kfac_jax_lite_blas_threads_exit"
-
-# ---------------------------------------------------------------------------
-# XLA FFI C ABI (the prefixes of the structs that the handlers read).
-# ---------------------------------------------------------------------------
-
-_EXTENSION_METADATA = 1  # XLA_FFI_Extension_Metadata
-_STAGE_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
-# The FFI API version these handlers follow (XLA_FFI_API_MAJOR/MINOR of
-# the c_api.h whose layouts are mirrored here).
-_API_MAJOR, _API_MINOR = 0, 3
-# The XLA of jaxlib 0.7 and 0.8 sends the metadata query without its API
-# table and registers only a handler of its own version, 0.1; the struct
-# prefixes read here are the same in 0.1.
-_API_MINOR_UNTOLD = 1
-
-
-class _ExtensionBase(ctypes.Structure):
-  pass
-
-
-_ExtensionBase._fields_ = [  # pylint: disable=protected-access
-    ("struct_size", ctypes.c_size_t), ("type", ctypes.c_int),
-    ("next", ctypes.POINTER(_ExtensionBase))]
-
-
-class _ApiVersion(ctypes.Structure):
-  _fields_ = [("struct_size", ctypes.c_size_t),
-              ("extension_start", ctypes.POINTER(_ExtensionBase)),
-              ("major_version", ctypes.c_int),
-              ("minor_version", ctypes.c_int)]
-
-
-class _Api(ctypes.Structure):  # Prefix of XLA_FFI_Api.
-  _fields_ = [("struct_size", ctypes.c_size_t),
-              ("extension_start", ctypes.POINTER(_ExtensionBase)),
-              ("api_version", _ApiVersion)]
-
-
-class _Metadata(ctypes.Structure):  # Prefix of XLA_FFI_Metadata.
-  _fields_ = [("struct_size", ctypes.c_size_t),
-              ("api_version", _ApiVersion), ("traits", ctypes.c_uint32)]
-
-
-class _MetadataExtension(ctypes.Structure):
-  _fields_ = [("extension_base", _ExtensionBase),
-              ("metadata", ctypes.POINTER(_Metadata))]
-
-
-class _Args(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets.
-  _fields_ = [("struct_size", ctypes.c_size_t),
-              ("extension_start", ctypes.POINTER(_ExtensionBase)),
-              ("size", ctypes.c_int64), ("types", ctypes.c_void_p),
-              ("values", ctypes.POINTER(ctypes.c_void_p))]
-
-
-class _Buffer(ctypes.Structure):
-  _fields_ = [("struct_size", ctypes.c_size_t),
-              ("extension_start", ctypes.POINTER(_ExtensionBase)),
-              ("dtype", ctypes.c_int), ("data", ctypes.c_void_p),
-              ("rank", ctypes.c_int64),
-              ("dims", ctypes.POINTER(ctypes.c_int64))]
-
-
-class _CallFrame(ctypes.Structure):  # Prefix of XLA_FFI_CallFrame.
-  _fields_ = [("struct_size", ctypes.c_size_t),
-              ("extension_start", ctypes.POINTER(_ExtensionBase)),
-              ("api", ctypes.POINTER(_Api)), ("ctx", ctypes.c_void_p),
-              ("stage", ctypes.c_int), ("args", _Args), ("rets", _Args)]
-
-
-_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
-
-
-def _handler(action: Callable[[], None]):
-  """An XLA FFI handler (``XLA_FFI_Error* (XLA_FFI_CallFrame*)``) that
-  answers XLA's metadata query and, when executed, zeroes its int32
-  result and runs ``action``. It never reports an error: a
-  failure to set the thread count must not fail the user's step."""
-
-  def handle(frame_ptr):
-    try:
-      frame = frame_ptr.contents
-      ext = frame.extension_start
-      if ext and ext.contents.type == _EXTENSION_METADATA:
-        meta = ctypes.cast(ext, ctypes.POINTER(_MetadataExtension)
-                           ).contents.metadata.contents
-        # A handler on an older minor version than XLA's is accepted; a
-        # different major version is rejected at registration.
-        minor = (min(_API_MINOR, frame.api.contents.api_version.minor_version)
-                 if frame.api else _API_MINOR_UNTOLD)
-        meta.api_version = _ApiVersion(
-            ctypes.sizeof(_ApiVersion), None, _API_MAJOR, minor)
-        meta.traits = 0
-        return None
-      if frame.stage != _STAGE_EXECUTE:
-        return None
-      # The result first, all zeros (int32; batched under vmap): the
-      # traced program computes with it.
-      if frame.rets.size >= 1:
-        buf = ctypes.cast(frame.rets.values[0],
-                          ctypes.POINTER(_Buffer)).contents
-        if buf.data:
-          size = int(np.prod([buf.dims[d] for d in range(buf.rank)]))
-          ctypes.memset(buf.data, 0, 4 * size)
-      action()
-    except Exception:  # pylint: disable=broad-except
-      _log.warning("kfac_jax_lite: setting the BLAS thread count failed",
-                   exc_info=True)
-    return None
-
-  return _HANDLER(handle)
-
-
-# ---------------------------------------------------------------------------
-# The thread count, process-wide, with nesting (several devices or several
-# refreshes may be inside at once: the first in limits, the last out
-# restores).
-# ---------------------------------------------------------------------------
-
-_lock = threading.Lock()
-_depth = 0
-_saved = None
-_control = None
-#: Calls of the enter/exit handlers so far (for tests and diagnostics).
-counts = {"enter": 0, "exit": 0}
 
 
 class _DlInfo(ctypes.Structure):
@@ -218,14 +85,14 @@ _THREAD_SYMBOLS = tuple(
         ("MKL_Get_Max_Threads", "MKL_Set_Num_Threads"),
         ("bli_thread_get_num_threads", "bli_thread_set_num_threads"))
 
+_control = None
+
 
 def thread_control() -> Optional[tuple]:
   """``(get, set)`` of the thread count of :func:`lapack_library`, found on
-  first use (once LAPACK is loaded), or None (then nothing is limited).
+  first use, or None (then nothing is limited).
 
-  The library's own functions, called directly: threadpoolctl's setter
-  ignores calls from any thread but the first one that set OpenBLAS's
-  count, and XLA runs the handlers on its own threads.
+  The library's own functions, called directly.
   """
   global _control
   if _control is None:
@@ -245,111 +112,54 @@ def thread_control() -> Optional[tuple]:
   return _control or None
 
 
-def _enter() -> None:
-  global _depth, _saved
+_lock = threading.Lock()
+#: What :func:`limit_process_threads` did, once it ran: ``library`` (the
+#: path, or None where no thread count could be found), ``before`` and
+#: ``after`` (the counts, or None).
+applied: Optional[dict] = None
+
+
+def limit_process_threads() -> dict:
+  """Sets the LAPACK library's thread count to :data:`THREADS` (where it
+  is higher), the first time it is called in the process.
+
+  Returns:
+    :data:`applied`: the library and its thread count before and after.
+  """
+  global applied
   with _lock:
-    counts["enter"] += 1
-    if _depth == 0 and (control := thread_control()):
-      get, set_ = control
-      _saved = get()
-      if _saved != THREADS:
-        set_(THREADS)
-    _depth += 1
-
-
-def _exit() -> None:
-  global _depth, _saved
-  with _lock:
-    counts["exit"] += 1
-    _depth = max(0, _depth - 1)
-    if _depth == 0 and _saved is not None:
-      if _saved != THREADS and (control := thread_control()):
-        control[1](_saved)
-      _saved = None
-
-
-# ---------------------------------------------------------------------------
-# Registration and the traced wrapper.
-# ---------------------------------------------------------------------------
-
-_handlers = {}  # Keeps the ctypes function pointers alive.
-_registered: Optional[bool] = None
-
-
-def registered() -> bool:
-  """Registers the two FFI targets for CPU on first use; False (and the
-  wrapper a no-op) where this jaxlib refuses them."""
-  global _registered
-  if _registered is None:
-    try:
-      for name, action in ((ENTER_TARGET, _enter), (EXIT_TARGET, _exit)):
-        _handlers[name] = _handler(action)
-        jax.ffi.register_ffi_target(
-            name, jax.ffi.pycapsule(_handlers[name]), platform="cpu")
-      _registered = True
-    except Exception:  # pylint: disable=broad-except
-      _log.warning("kfac_jax_lite: could not register the BLAS thread "
-                   "limit; LAPACK runs with the library's own thread "
-                   "count", exc_info=True)
-      _registered = False
-  return _registered
-
-
-_TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
-_inside = contextvars.ContextVar("kfac_jax_lite_blas_limited", default=False)
-
-
-def _call(target: str, *operands):
-  # No side-effect flag: XLA's SPMD partitioner requires a sharding on
-  # side-effecting ops; the results' uses keep both calls alive instead.
-  def cpu(*ops):
-    return jax.ffi.ffi_call(target, _TOKEN, vmap_method="broadcast_all")(
-        *ops)
-
-  return jax.lax.platform_dependent(
-      *operands, cpu=cpu, default=lambda *_: jnp.zeros((), jnp.int32))
-
-
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _is_matrix(x) -> bool:
-  return (_is_array(x) and np.ndim(x) >= 2
-          and jnp.issubdtype(jnp.result_type(x), jnp.inexact))
-
-
-def _after(token, x):
-  """``x`` computed from ``token`` (0) as well: ``x - 0``, exact for every
-  value (signed zeros included), which XLA cannot fold since the token
-  comes from a custom call."""
-  x = jnp.asarray(x)
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    zero = jax.lax.bitcast_convert_type(token, jnp.float32)
-  else:
-    zero = token
-  return x - zero.astype(x.dtype)
+    if applied is None:
+      control = thread_control()
+      record = {"library": lapack_library() if control else None,
+                "before": None, "after": None}
+      if control is not None:
+        get, set_ = control
+        record["before"] = get()
+        if record["before"] > THREADS:
+          set_(THREADS)
+        record["after"] = get()
+        _log.info("kfac_jax_lite: %s runs LAPACK with %d thread(s) "
+                  "(it had %d); docs/performance.md#blas-threads",
+                  record["library"], record["after"], record["before"])
+      else:
+        _log.info("kfac_jax_lite: the thread count of jaxlib's LAPACK "
+                  "library was not found; it keeps its own "
+                  "(docs/performance.md#blas-threads)")
+      applied = record
+    return applied
 
 
 def limited(fn: Callable) -> Callable:
-  """``fn`` with the LAPACK library's threads limited to :data:`THREADS`
-  while its computation runs (see the module docstring).
+  """``fn``, which limits the LAPACK library's threads when it is called
+  (traced) in a process whose default backend is the CPU.
 
-  The order is a data dependency, the only one XLA keeps: the floating
-  matrix leaves of ``fn``'s arguments are recomputed from the limiting
-  call's result (:func:`_after`), and the restoring call takes one element
-  of every array leaf of ``fn``'s result as an operand, so every LAPACK kernel
-  inside ``fn`` computed from those matrices runs in between; the
-  restoring call's result flows into every array of the result that
-  ``fn`` computed (arguments passed through are returned as they came),
-  so that any use of those keeps both calls, paired (neither is flagged
-  as a side effect: XLA's SPMD partitioner would require a sharding on
-  it). Other leaves (Python numbers, the estimator itself) pass through.
-  A ``limited`` function called while another is traced, or on no
-  floating matrix, adds nothing. Values are unchanged.
+  The first such call runs :func:`limit_process_threads`; nothing is
+  added to ``fn``'s computation, whose values, gradients and program are
+  those of ``fn``. On other default backends the library is left alone
+  (a step there runs no CPU LAPACK).
 
   Args:
-    fn: a function of arrays (and static values) returning a pytree.
+    fn: any function.
 
   Returns:
     The wrapped function, with ``fn``'s signature and docstring.
@@ -357,42 +167,8 @@ def limited(fn: Callable) -> Callable:
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    if _inside.get() or not registered():
-      return fn(*args, **kwargs)
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    mats = [i for i, x in enumerate(leaves) if _is_matrix(x)]
-    if not mats:
-      return fn(*args, **kwargs)
-    # An operand from the inputs, so that two calls on different inputs
-    # are not merged into one by XLA.
-    token = _call(ENTER_TARGET, jax.lax.stop_gradient(
-        jnp.ravel(leaves[mats[0]])[0]))
-    original = {}
-    for i in mats:
-      x = leaves[i]
-      leaves[i] = _after(token, x)
-      original[id(leaves[i])] = x
-    args, kwargs = jax.tree.unflatten(tree, leaves)
-    reset = _inside.set(True)
-    try:
-      out = fn(*args, **kwargs)
-    finally:
-      _inside.reset(reset)
-    leaves, tree = jax.tree.flatten(out)
-    # Arguments passed through go back as they came, outside the limit
-    # (a refresh passes the factors through).
-    leaves = [original.get(id(x), x) for x in leaves]
-    arrays = [i for i, x in enumerate(leaves)
-              if _is_array(x) and not any(x is y for y in original.values())]
-    # One element of every result: each depends on the whole computation
-    # of its array, and the conditional of ``_call`` takes scalars only.
-    done = _call(EXIT_TARGET, *[jax.lax.stop_gradient(jnp.ravel(leaves[i])[0])
-                                for i in arrays if np.size(leaves[i])],
-                 token)
-    # Every computed array carries the restoring call's token: any use of
-    # them keeps both calls, paired.
-    for i in arrays:
-      leaves[i] = _after(done, leaves[i])
-    return jax.tree.unflatten(tree, leaves)
+    if applied is None and jax.default_backend() == "cpu":
+      limit_process_threads()
+    return fn(*args, **kwargs)
 
   return wrapped

@@ -1,7 +1,8 @@
-"""The LAPACK thread limit around the library's refresh (_blas_threads).
+"""The LAPACK thread limit of a CPU process (_blas_threads).
 
-The limit is emitted for XLA:CPU only (``lax.platform_dependent``): the
-tests that watch it are ``cpu_only``.
+Tracing the library's refresh on a CPU backend sets the thread count of
+jaxlib's LAPACK library to one, once; the compiled step holds nothing of
+it (no custom call, no host callback): it runs no Python.
 """
 
 import os
@@ -22,8 +23,8 @@ from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAPACK = _blas_threads.lapack_library()
-# The thread count the tests give the LAPACK library outside the calls:
-# above the limit, so that a missing limit or restore shows.
+# The thread count the tests give the LAPACK library before the limit:
+# above it, so that a missing limit shows.
 OUTSIDE = 3
 
 needs_lapack = pytest.mark.skipif(
@@ -43,77 +44,66 @@ def _threads(lapack=True):
   return [c.num_threads for c in _controllers(lapack)]
 
 
-@pytest.fixture(name="outside")
-def _outside_fixture():
-  """The LAPACK library at OUTSIDE threads during the test."""
+@pytest.fixture(name="fresh")
+def _fresh_fixture():
+  """The LAPACK library at OUTSIDE threads and the limit not yet applied,
+  as in a new process; both restored afterwards."""
   jax.jit(jnp.linalg.cholesky)(jnp.eye(2))  # Loads jaxlib's LAPACK.
-  with threadpoolctl.ThreadpoolController().select(
-      filepath=[c.filepath for c in _controllers(True)]).limit(
-          limits=OUTSIDE):
-    assert _threads() == [OUTSIDE]
-    yield
+  saved = _blas_threads.applied
+  _blas_threads.applied = None
+  try:
+    with threadpoolctl.ThreadpoolController().select(
+        filepath=[c.filepath for c in _controllers(True)]).limit(
+            limits=OUTSIDE):
+      assert _threads() == [OUTSIDE]
+      yield
+  finally:
+    _blas_threads.applied = saved
 
 
 def _probed(x):
   """``(cholesky(x), LAPACK threads seen by the host right before the
-  factorisation, other BLAS libraries' threads then)``: the probe reads
-  ``x`` and the factorisation reads the probe's result, so it runs in
-  between whatever XLA's schedule."""
-  others = len(_threads(False))
-  seen = io_callback(
-      lambda _: np.asarray(_threads() + _threads(False), np.int32),
-      jax.ShapeDtypeStruct((1 + others,), jnp.int32), x)
-  chol = jnp.linalg.cholesky(x + 0 * seen[0].astype(x.dtype))
-  return chol, seen[0], seen[1:]
+  factorisation)``: the probe reads ``x`` and the factorisation reads the
+  probe's result, so it runs in between whatever XLA's schedule."""
+  seen = io_callback(lambda _: np.asarray(_threads(), np.int32),
+                     jax.ShapeDtypeStruct((1,), jnp.int32), x)
+  return jnp.linalg.cholesky(x + 0 * seen[0].astype(x.dtype)), seen[0]
 
 
 @pytest.mark.cpu_only
 @needs_lapack
-@pytest.mark.usefixtures("outside")
-def test_limited_during_the_call_and_restored_after():
+@pytest.mark.usefixtures("fresh")
+def test_tracing_limits_the_process_once():
   x = jnp.eye(3) * 2.0 + 0.5
-  others_before = _threads(False)
-  for fn in (jax.jit(_blas_threads.limited(_probed)),
-             _blas_threads.limited(_probed)):  # Jitted, then eager.
-    chol, inside, others = fn(x)
-    np.testing.assert_array_equal(chol, jnp.linalg.cholesky(x))
-    assert int(inside) == _blas_threads.THREADS
-    # numpy's own BLAS (a separate library here) is left alone.
-    assert list(np.asarray(others)) == others_before
-    assert _threads() == [OUTSIDE]
-    assert _threads(False) == others_before
-  _, inside, _ = jax.jit(_probed)(x)  # Unwrapped: nothing limits.
-  assert int(inside) == OUTSIDE
+  others = _threads(False)
+  traced = jax.jit(_blas_threads.limited(_probed)).trace(x)
+  # Tracing set it, before anything ran.
+  assert _threads() == [_blas_threads.THREADS]
+  assert _blas_threads.applied == {"library": LAPACK, "before": OUTSIDE,
+                                   "after": _blas_threads.THREADS}
+  chol, inside = traced.lower().compile()(x)
+  np.testing.assert_array_equal(chol, jnp.linalg.cholesky(x))
+  assert int(inside) == _blas_threads.THREADS  # While the step runs.
+  # numpy's own BLAS (a separate library here) is left alone.
+  assert _threads(False) == others
+  # Once: a count the user sets afterwards stays.
+  threadpoolctl.ThreadpoolController().select(
+      filepath=[c.filepath for c in _controllers(True)]).limit(limits=2)
+  jax.jit(_blas_threads.limited(lambda x: jnp.linalg.cholesky(x) + 1))(x)
+  assert _threads() == [2]
 
 
 @pytest.mark.cpu_only
 @needs_lapack
-@pytest.mark.usefixtures("outside")
-def test_limit_inside_cond_vmap_and_pmap():
-  x = jnp.eye(3) * 2.0 + 0.5
-  limited = _blas_threads.limited(_probed)
-
-  @jax.jit
-  def step(flag, x):
-    return jax.lax.cond(flag, lambda x: limited(x)[1],
-                        lambda x: jnp.int32(-1), x)
-
-  before = dict(_blas_threads.counts)
-  assert int(step(False, x)) == -1
-  assert _blas_threads.counts == before  # Branch not taken: no calls.
-  assert int(step(True, x)) == _blas_threads.THREADS
-  assert _blas_threads.counts["enter"] == before["enter"] + 1
-  assert _blas_threads.counts["exit"] == before["exit"] + 1
-  _, inside, _ = jax.jit(jax.vmap(limited))(jnp.stack([x, x]))
-  np.testing.assert_array_equal(inside, [_blas_threads.THREADS] * 2)
-  n = jax.local_device_count()
-  _, inside, _ = jax.pmap(limited)(jnp.stack([x] * n))
-  np.testing.assert_array_equal(inside, [_blas_threads.THREADS] * n)
+@pytest.mark.usefixtures("fresh")
+def test_other_default_backends_leave_the_library_alone(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  jax.jit(_blas_threads.limited(jnp.linalg.cholesky)).trace(jnp.eye(3))
+  assert _blas_threads.applied is None
   assert _threads() == [OUTSIDE]
-  assert _blas_threads.counts["enter"] == _blas_threads.counts["exit"]
 
 
-def test_values_and_gradients_unchanged():
+def test_program_values_and_gradients_unchanged():
   m = jax.random.normal(jax.random.PRNGKey(0), (6, 6))
   m = m @ m.T + jnp.eye(6)
 
@@ -121,6 +111,8 @@ def test_values_and_gradients_unchanged():
     return {"inv": jnp.linalg.inv(m) * scale, "n": 3}
 
   limited = _blas_threads.limited(fn)
+  assert str(jax.make_jaxpr(limited)(m, 2.0)) == str(
+      jax.make_jaxpr(fn)(m, 2.0))
   for got, want in ((limited(m, 2.0), fn(m, 2.0)),
                     (jax.jit(limited)(m, 2.0), jax.jit(fn)(m, 2.0))):
     assert got["n"] == 3
@@ -150,57 +142,55 @@ def _kfac_step():
   return step, params, tx.init(params)
 
 
+def _custom_call_targets(text):
+  return {line.split("custom_call_target=\"")[1].split("\"")[0]
+          for line in text.splitlines() if "custom_call_target=\"" in line}
+
+
 @pytest.mark.cpu_only
 @needs_lapack
-@pytest.mark.usefixtures("outside")
-def test_kfac_refresh_runs_limited_and_restores():
+@pytest.mark.usefixtures("fresh")
+def test_kfac_step_runs_no_python():
+  """The compiled CPU step calls LAPACK and nothing else on the host (no
+  callback, no library handler): it never needs the GIL."""
   step, params, state = _kfac_step()
-  hlo = step.lower(params, state).as_text()
-  assert _blas_threads.ENTER_TARGET in hlo
-  assert _blas_threads.EXIT_TARGET in hlo
-  others = _threads(False)
-  before = dict(_blas_threads.counts)
-  for _ in range(4):  # Refreshes at steps 0 and 2.
-    params, state = step(params, state)
+  compiled = step.lower(params, state).compile()
+  targets = _custom_call_targets(compiled.as_text())
+  assert targets and all(t.startswith("lapack_") for t in targets), targets
+  assert _threads() == [_blas_threads.THREADS]
+  for _ in range(2):
+    params, state = compiled(params, state)
   jax.block_until_ready(params)
-  assert _blas_threads.counts["enter"] - before["enter"] == 2
-  assert _blas_threads.counts["exit"] - before["exit"] == 2
-  assert _threads() == [OUTSIDE]
-  assert _threads(False) == others
 
 
-def test_the_limit_is_in_the_cpu_program_only():
-  """The step lowered for CUDA (from any backend) has no thread-limit
-  calls, and its refresh calls cuSOLVER; lowered for the CPU it has
-  both calls around LAPACK."""
+def test_cuda_and_cpu_programs_hold_no_thread_calls():
+  """Lowered for CUDA (from any backend) the refresh calls cuSOLVER;
+  lowered for the CPU, LAPACK; neither holds a call of the library's."""
   step, params, state = _kfac_step()
   traced = step.trace(params, state)
   cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
   # A cuSOLVER call, or XLA's own Cholesky (jax 0.7 registers no GPU
   # lowering rules without a GPU; XLA:GPU rewrites it into cuSOLVER).
   assert "cusolver" in cuda or "stablehlo.cholesky" in cuda
-  assert _blas_threads.ENTER_TARGET not in cuda
-  assert _blas_threads.EXIT_TARGET not in cuda
   cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
   assert "lapack" in cpu
-  assert _blas_threads.ENTER_TARGET in cpu
-  assert _blas_threads.EXIT_TARGET in cpu
+  for text in (cuda, cpu):
+    assert "kfac_jax_lite" not in text
+    assert "callback" not in text
 
 
 @pytest.mark.slow
-def test_step_with_the_limit_is_persistently_cached(tmp_path):
+def test_kfac_step_is_persistently_cached(tmp_path):
   # A host callback would keep the step out of JAX's persistent
-  # compilation cache; the limit's FFI calls must not.
+  # compilation cache.
   code = (
       "import jax, jax.numpy as jnp\n"
-      "from kfac_jax_lite import _blas_threads\n"
       f"jax.config.update('jax_compilation_cache_dir', {str(tmp_path)!r})\n"
       "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
-      "def limited_step(m):\n"
-      "  return _blas_threads.limited(jnp.linalg.cholesky)(m)\n"
-      "jax.jit(limited_step)(jnp.eye(4) * 2).block_until_ready()\n")
+      "from tests.test_blas_threads import _kfac_step\n"
+      "step, params, state = _kfac_step()\n"
+      "jax.block_until_ready(step(params, state))\n")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                 timeout=300, capture_output=True)
-  assert any(name.startswith("jit_limited_step")
-             for name in os.listdir(tmp_path))
+                 timeout=300, capture_output=True, cwd=ROOT)
+  assert any(name.startswith("jit_step") for name in os.listdir(tmp_path))
