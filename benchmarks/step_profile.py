@@ -32,7 +32,10 @@ gradient; ``kfac_precondition``; ``kfac_finite``). What ``tx.update``
 computes outside those (grafting's norms, RMSProp's second moment,
 momentum, decay, the skip's selects) is the *optimizer tail*. An
 instruction with no scope (a copy XLA added) goes to the part of its
-first operand that has one.
+first operand that has one; one that reads a step input directly is a
+copy XLA makes of an input it may not overwrite (``--donate`` donates
+params and state, as a training loop should; ``char_gpt``'s runner does
+not).
 
 Run::
 
@@ -77,6 +80,9 @@ PARTS = (
     ("apply_updates", "apply_updates"),
     ("optimizer tail", "optimizer"),
 )
+# An unscoped instruction reading a step input directly: a copy of an
+# input that is not donated (K-FAC's caches between refreshes, ...).
+INPUTS = "copies of the inputs (not donated)"
 CONTAINERS = ("while", "conditional", "call", "async-start", "async-done")
 
 
@@ -145,7 +151,9 @@ def parse_hlo(text: str) -> dict:
 
 def part_of(instr: str, hlo: dict, seen=None) -> str:
   """The part of an instruction: by its scope, else its operands'."""
-  _, name, operands, _ = hlo.get(instr, (None, None, (), None))
+  opcode, name, operands, _ = hlo.get(instr, (None, None, (), None))
+  if opcode == "parameter":
+    return INPUTS
   if name is not None:
     return next((p for p, key in PARTS if key in name), "outside the step")
   seen = seen or set()
@@ -174,11 +182,12 @@ def program_size(hlo: dict) -> dict:
   return out
 
 
-def first_call(step, args) -> tuple:
+def first_call(step, args, donate: bool = False) -> tuple:
   """``(trace, lower, compile, run)`` seconds of a new jit, and its
-  compiled executable and outputs."""
+  compiled executable and outputs (``donate``: of params and state)."""
   t0 = time.perf_counter()
-  traced = jax.jit(step).trace(*args)
+  traced = jax.jit(step, donate_argnums=(0, 1) if donate else ()).trace(
+      *args)
   t1 = time.perf_counter()
   lowered = traced.lower()
   t2 = time.perf_counter()
@@ -262,27 +271,36 @@ def parse_args(argv):
   p.add_argument("--profile-steps", type=int, default=10)
   p.add_argument("--sizes-only", action="store_true",
                  help="first calls and program sizes only")
+  p.add_argument("--donate", action="store_true",
+                 help="jit the steps with their params and state donated "
+                 "(char_gpt's runner does not donate)")
   args, rest = p.parse_known_args(argv)
   return args, char_gpt.parse_args(rest + ["--plot", ""])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   args, gpt = parse_args(argv)
-  s = char_gpt.setup(gpt)
+  return run(args, gpt, char_gpt.setup(gpt))
+
+
+def run(args, gpt, s: dict) -> dict:
+  """Prints the tables for ``char_gpt.setup``'s ``s``; returns them."""
   params, batch = s["params"], s["batch_fn"](0)
   kfac_tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
   adamw = char_gpt.adamw_transform(gpt.adam_lr)
-  opts = {"AdamW": (make_step(s["loss_fn"], adamw, None), adamw),
-          "kfac_adamw": (make_step(s["loss_fn"], kfac_tx, fraction), kfac_tx)}
+  opts = {"AdamW": (adamw, None), "kfac_adamw": (kfac_tx, fraction)}
   print(f"jax {jax.__version__}; D{gpt.width} L{gpt.layers} H{gpt.heads} "
-        f"T{gpt.context} B{gpt.batch_size}; load {os.getloadavg()[0]:.1f}",
-        flush=True)
+        f"T{gpt.context} B{gpt.batch_size}; donated: {args.donate}; load "
+        f"{os.getloadavg()[0]:.1f}", flush=True)
   calls = collections.defaultdict(list)
   compiled, outs = {}, {}
   for _ in range(args.repeats):
-    for name, (step, tx) in opts.items():
+    for name, (tx, fraction) in opts.items():
+      # A new closure each time: no trace or compile is reused.
+      step = make_step(s["loss_fn"], tx, fraction)
+      mine = jax.tree.map(jax.numpy.copy, params)
       t, compiled[name], outs[name] = first_call(
-          step, (params, tx.init(params), batch))
+          step, (mine, tx.init(mine), batch), args.donate)
       calls[name].append(t)
   print(f"\n{'first call (s)':14} {'trace':>6} {'lower':>6} {'compile':>8} "
         f"{'run':>6} {'total':>6}  (median of {args.repeats}; each total)")
@@ -298,8 +316,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   hlos = {n: parse_hlo(c.as_text()) for n, c in compiled.items()}
   sizes = {n: program_size(h) for n, h in hlos.items()}
   names = sorted({p for v in sizes.values() for p in v},
-                 key=lambda p: [q for q, _ in PARTS].index(p)
-                 if p in dict(PARTS) else 99)
+                 key=lambda p: ([q for q, _ in PARTS] + [INPUTS]).index(p)
+                 if p in dict(PARTS) or p == INPUTS else 99)
   print(f"\n{'program size':40} " + " ".join(
       f"{n + ' instr':>17} {'kernels':>7} {'distinct':>8}" for n in sizes))
   for p in names + ["total"]:
@@ -329,8 +347,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     prof[n] = profile_steps(compiled[n], (cur[n], state[n], batch),
                             args.profile_steps, hlos[n])
   parts = sorted({p for v, _ in prof.values() for p in v},
-                 key=lambda p: ([q for q, _ in PARTS] + ["dispatch"]).index(p)
-                 if p in dict(PARTS) or p == "dispatch" else 99)
+                 key=lambda p: ([q for q, _ in PARTS] + [INPUTS, "dispatch"]
+                                ).index(p)
+                 if p in dict(PARTS) or p in (INPUTS, "dispatch") else 99)
   print(f"\n{'where the step goes (ms)':40} " + " ".join(
       f"{n:>11}" for n in prof))
   for p in parts:
