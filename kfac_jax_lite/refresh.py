@@ -270,58 +270,10 @@ def highest_precision(fn: Callable) -> Callable:
   return wrapped
 
 
-def pad_identity(m, size: int):
-  """``[[m, 0], [0, I]]`` of ``size`` rows (``m`` itself at its own
-  size): the padding of :func:`bucketed_map`, for a static size."""
-  n = m.shape[0]
-  if size == n:
-    return m
-  return jnp.pad(m, ((0, size - n), (0, size - n))) + jnp.diag(
-      (jnp.arange(size) >= n).astype(m.dtype))
-
-
-def padded_refresh(block, state, damping, sizes: dict):
-  """``block.update_cache(state, damping)`` with each dense factor padded
-  to ``sizes[name]`` (:func:`pad_identity`) before its damped matrix
-  functions and cut back after: exact, as in :func:`bucketed_map`; a
-  factor at its own size goes through ``update_cache``'s very operations.
-  """
-  requests = block.factor_requests(state)
-  dampings = block.factor_dampings(state, damping, {
-      name: linalg.trace_norm(f) for name, f in requests})
-  caches = {}
-  for name, f in requests:
-    n = f.shape[0]
-    res = block.factor_cache(pad_identity(f, sizes.get(name, n)),
-                             dampings[name])
-    caches[name] = res if sizes.get(name, n) == n else jax.tree.map(
-        lambda x, n=n: x[(slice(0, n),) * x.ndim], res)
-  return block.with_factor_caches(state, damping, caches)
-
-
-def stack_sizes(blocks, states, stacked) -> dict:
-  """``{(k, name): N}``: the padded size of each dense factor of the
-  stacked groups ``k`` in ``stacked``, from the size buckets
-  (:func:`size_buckets`) of every bucketable factor of ``blocks`` (per
-  kind, as :func:`bucketed_update_cache`). Stacked groups whose factor
-  sizes differ by a row or two (``W`` with and without a bias row) then
-  refresh through the same kernels
-  (docs/performance.md#size-buckets)."""
-  one = [jax.tree.map(lambda x: x[0], s) if k in stacked else s
-         for k, s in enumerate(states)]
-  out = {}
-  for items in _bucket_requests(blocks, one)[1].values():
-    for size, idx in size_buckets([f.shape[0] for _, _, f in items]):
-      out.update({items[j][:2]: size for j in idx
-                  if items[j][0] in stacked})
-  return out
-
-
 @highest_precision
 def update_cache(blocks, groups, states, damping, layers=None) -> list:
   """The refreshed state of every group (``vmap`` per group, buckets for
-  the singleton groups; a stacked group's dense factors padded to the
-  size bucket of every group's factors, :func:`stack_sizes`).
+  the singleton groups).
 
   Args:
     blocks: one block per group.
@@ -334,20 +286,9 @@ def update_cache(blocks, groups, states, damping, layers=None) -> list:
   alone = [p.group for p in parts if len(groups[p.group]) == 1]
   bucketed = dict(zip(alone, bucketed_update_cache(
       [blocks[k] for k in alone], [states[k] for k in alone], damping)))
-  stacked = {p.group for p in parts if p.group not in bucketed}
-  sizes = stack_sizes([blocks[p.group] for p in parts],
-                      [p.state for p in parts],
-                      {j for j, p in enumerate(parts) if p.group in stacked})
-
-  def refresh(j, b, s):
-    if not _bucketable(b, s):
-      return b.update_cache(s, damping)
-    return padded_refresh(b, s, damping, {
-        name: size for (k, name), size in sizes.items() if k == j})
-
   new = [bucketed[p.group] if p.group in bucketed else jax.vmap(
-      lambda s, j=j, b=blocks[p.group]: refresh(j, b, s))(p.state)
-         for j, p in enumerate(parts)]
+      lambda s, b=blocks[p.group]: b.update_cache(s, damping))(p.state)
+         for p in parts]
   return grouping.put(states, parts, new)
 
 

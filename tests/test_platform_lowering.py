@@ -177,23 +177,19 @@ def test_cpu_program_keeps_its_workarounds(residual, mlp):
 
 def test_cuda_factorisations_are_batched_per_stack(residual, mlp):
   """One cuSOLVER Cholesky per factor of a stacked group, batched over the
-  stack at its size bucket's size; the singleton layers' factors go one at
-  a time through their padded size buckets."""
+  stack; the singleton layers' factors go one at a time through their
+  padded size buckets."""
   a_up, g_up = WIDTH + 1, HIDDEN          # up: WIDTH -> HIDDEN (+ bias)
   a_down, g_down = HIDDEN + 1, WIDTH      # down: HIDDEN -> WIDTH
-  # Padded to their buckets: G 16 of up joins A 17 of down, G 8 of down
-  # joins A 9 of up (docs/performance.md#size-buckets).
-  assert (g_up + 1, g_down + 1) == (a_down, a_up)
-  stacked = [f"{DEPTH}x{n}x{n}" for n in (a_up, a_up, a_down, a_down)]
+  stacked = {f"{DEPTH}x{n}x{n}" for n in (a_up, g_up, a_down, g_down)}
   shapes = _potrf_shapes(residual["cuda"])
   assert sorted(s for s in shapes if s.count("x") == 2) == sorted(stacked)
   # embed (A 6, G 8) and head (A 9, G 3): 9 and 8 share a padded bucket.
   assert sorted(s for s in shapes if s.count("x") == 1) == [
       "3x3", "6x6", "9x9", "9x9"]
-  # The MLP: layers 1 and 2 (8 -> 8, A 9 x 9, G 8 x 8 padded to 9) are
-  # one stack.
+  # The MLP: layers 1 and 2 (8 -> 8, A 9 x 9, G 8 x 8) are one stack.
   shapes = _potrf_shapes(mlp["cuda"])
-  assert sorted(s for s in shapes if s.count("x") == 2) == ["2x9x9",
+  assert sorted(s for s in shapes if s.count("x") == 2) == ["2x8x8",
                                                             "2x9x9"]
 
 

@@ -18,7 +18,6 @@ import kfac_jax_lite as kl
 from kfac_jax_lite import linalg
 from kfac_jax_lite import refresh
 from tests import helpers
-from tests import problems
 
 # Input factors 9, 10, 11 (with bias) and output factors 9, 10, 3.
 SIZES = [8, 9, 10, 3]
@@ -233,47 +232,3 @@ def test_padded_sizes_reproduce_a_factors_bucket_alone():
             [blocks[i]], [s], DAMPING, mine)[0]))(states[i])
     for k in full[i].cache:   # Bit for bit (unpadded: 1.1e-7 apart).
       np.testing.assert_array_equal(alone.cache[k], full[i].cache[k])
-
-
-def _stacked_mlp():
-  """Layers 1 and 2 (8 -> 8: A 9 x 9, G 8 x 8) are one stacked group; the
-  first (A 7, G 8) and the head (A 9, G 3) are singletons."""
-  p = problems.mlp_classifier((6, 8, 8, 8, 3), 16)
-  est = kl.FisherEstimator(p.scan(), damping=DAMPING)
-  state = jax.jit(lambda prm, b: est.update_curvature(
-      est.init(prm), prm, b, jax.random.PRNGKey(2)))(p.params, p.batch)
-  assert any(len(g) > 1 for g in est.groups)
-  return est, state
-
-
-def test_stacked_groups_pad_to_their_buckets_exactly():
-  """A stacked group's G 8 x 8 is refreshed padded to 9 x 9 (its bucket,
-  with the A factors of size 9): the caches are each block's own."""
-  est, state = _stacked_mlp()
-  new = jax.jit(est.update_cache)(state)
-  alones = jax.jit(lambda blocks: [
-      b.update_cache(s, jnp.asarray(DAMPING, jnp.float32))
-      for b, s in zip(est.blocks, blocks)])(state.blocks)
-  for n, alone in zip(new.blocks, alones):
-    for k in alone.cache:
-      np.testing.assert_allclose(n.cache[k], alone.cache[k], rtol=2e-5,
-                                 atol=2e-5 * float(
-                                     np.max(np.abs(alone.cache[k]))))
-
-
-@pytest.mark.perf
-@pytest.mark.cpu_only  # XLA:CPU's LAPACK calls.
-def test_stacked_groups_share_their_buckets_factorisation_kernels():
-  """The stacked group's G 8 x 8 takes the size of its bucket (9, with
-  the A 9 x 9 factors), so the refresh factorises at the bucket sizes
-  only (3, 7, 9). Without the padding of stacked groups its 8 x 8
-  Cholesky and solve were kernels of their own."""
-  est, state = _stacked_mlp()
-  sizes = {f.shape[-1] for s in state.blocks for f in (s.a, s.g)}
-  assert 8 in sizes and 9 in sizes
-  calls = _lapack_calls(jax.jit(est.update_cache).lower(state).as_text())
-  chol = sorted({int(n) for k, n in calls if k.startswith("lapack_spotrf")})
-  assert 8 not in chol, calls
-  assert chol == sorted(refresh.size_buckets(sorted(sizes))[i][0]
-                        for i in range(len(refresh.size_buckets(
-                            sorted(sizes))))), calls
