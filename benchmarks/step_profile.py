@@ -262,6 +262,53 @@ def profile_steps(compiled, args, steps: int, hlo: dict) -> tuple:
           1e3 * float(np.mean(walls)))
 
 
+def gflop(fn, *args) -> float:
+  """XLA's flop count of ``fn`` lowered alone (before optimisation; LAPACK
+  calls count nothing), in GFLOP."""
+  cost = jax.jit(fn).lower(*args).cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return cost.get("flops", float("nan")) / 1e9
+
+
+def flops(gpt, s: dict) -> dict:
+  """Prints and returns the GFLOP of each part of ``kfac_adamw``'s step,
+  and of the statistics at other numbers of sequences and strides."""
+  from kfac_jax_lite import linearization  # pylint: disable=g-import-not-at-top
+  import kfac_jax_lite as kl  # pylint: disable=g-import-not-at-top
+  params, loss_fn, batch = s["params"], s["loss_fn"], s["batch_fn"](0)
+  key = jax.random.PRNGKey(0)
+  rows = max(1, math.ceil(gpt.kfac_stats_fraction * gpt.batch_size))
+  head = lambda n: jax.tree.map(lambda x: x[:n], batch)  # noqa: E731
+  est = kl.FisherEstimator(s["collection"], damping=0.0)
+
+  def model_passes(p, b, k):  # The statistics pass without the products.
+    out = linearization.statistics_pass(
+        est.linearize(p, b), est.blocks, k, est.estimation_mode, 1, False)
+    return [(d.inputs, d.grads, d.param_grads) for d in out.layer_data]
+
+  stats = jax.eval_shape(est.compute_stats, params, head(rows), key)
+  state = jax.eval_shape(est.init, params)
+  grads = jax.eval_shape(jax.grad(loss_fn), params, batch)
+  out = {"loss and gradient": gflop(jax.value_and_grad(loss_fn), params,
+                                    batch)}
+  for n, k in ((rows, 1), (rows, 4), (max(1, rows // 2), 1),
+               (max(1, rows // 2), 4)):
+    strided = kl.FisherEstimator(s["collection"], damping=0.0,
+                                 stats_position_stride=k)
+    out[f"statistics, {n} sequences, stride {k}"] = gflop(
+        strided.compute_stats, params, head(n), key)
+  out[f"  forward and sampled backward, {rows} sequences"] = gflop(
+      model_passes, params, head(rows), key)
+  out["EMA"] = gflop(lambda st, x: est.update_curvature(st, stats=x),
+                     state, stats)
+  out["preconditioning"] = gflop(est.multiply_inverse, state, grads)
+  out["refresh"] = gflop(lambda st: est.update_cache(st, 1e-3), state)
+  print(f"\n{'part (lowered alone)':44} {'GFLOP':>8}")
+  for name, g in out.items():
+    print(f"{name:44} {g:8.2f}")
+  return out
+
+
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--repeats", type=int, default=2,
@@ -271,6 +318,8 @@ def parse_args(argv):
   p.add_argument("--profile-steps", type=int, default=10)
   p.add_argument("--sizes-only", action="store_true",
                  help="first calls and program sizes only")
+  p.add_argument("--flops", action="store_true",
+                 help="only XLA's flop count of each part")
   p.add_argument("--donate", action="store_true",
                  help="jit the steps with their params and state donated "
                  "(char_gpt's runner does not donate)")
@@ -280,6 +329,8 @@ def parse_args(argv):
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   args, gpt = parse_args(argv)
+  if args.flops:
+    return flops(gpt, char_gpt.setup(gpt))
   return run(args, gpt, char_gpt.setup(gpt))
 
 
