@@ -23,15 +23,26 @@ process pays its one-time warm-up first (``step_time.warm_up_process``:
 JAX's and its LAPACK bindings' first-use costs, printed apart for this
 one), and ``kfac``'s processes run ``scan`` before the timed compile.
 
+``--gpt`` instead measures the char GPT of ``examples/char_gpt.py`` (its
+defaults: D128, 4 heads, T64, B32) at ``--depths`` identical blocks
+(default 4 and 12): the first call of AdamW's step and of
+``kfac_adamw``'s, as the example jits them (trace, lowering, compile and
+the first run, ``jax.stages``), each in a fresh process after its
+warm-up, alternating; then how much each optimizer's first call grows
+from the smallest depth to the largest, and K-FAC's growth against
+AdamW's.
+
 Usage:
   python benchmarks/compile_depth.py [--depths 3 12 48] [--batch 64]
       [--repeats 3]
+  python benchmarks/compile_depth.py --gpt [--depths 4 12] [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -182,9 +193,60 @@ def _compare(depth, stacked, args):
   return times["adam"], times["kfac"], steps["adam"], steps["kfac"]
 
 
+def _gpt_first_call(depth: int, name: str) -> dict:
+  """The first call of the char GPT's step at ``depth`` blocks (in this
+  process): ``{"trace", "lower", "compile", "run"}`` seconds."""
+  here = pathlib.Path(__file__).resolve().parent
+  sys.path[:0] = [str(here), str(here.parent / "examples")]
+  import char_gpt  # pylint: disable=import-outside-toplevel
+  import step_profile  # pylint: disable=import-outside-toplevel
+  gpt = char_gpt.parse_args(["--layers", str(depth), "--plot", ""])
+  s = char_gpt.setup(gpt)
+  if name == "adamw":
+    tx, fraction = char_gpt.adamw_transform(gpt.adam_lr), None
+  else:
+    tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
+  step = step_profile.make_step(s["loss_fn"], tx, fraction)
+  params, batch = s["params"], s["batch_fn"](0)
+  t, _, _ = step_profile.first_call(step, (params, tx.init(params), batch))
+  return dict(zip(("trace", "lower", "compile", "run"), t))
+
+
+def gpt_depths(args) -> dict:
+  """Prints the GPT's first calls at each depth and their growth."""
+  calls = {(d, n): [] for d in args.depths for n in ("adamw", "kfac")}
+  for _ in range(args.repeats):
+    for d in args.depths:
+      for n in ("adamw", "kfac"):
+        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()),
+               "--gpt-child", str(d), n]
+        calls[d, n].append(run_child(cmd, f"GPT {n} at depth {d}"))
+  print(f"{'blocks':>6} {'optimizer':>10} {'trace':>6} {'lower':>6} "
+        f"{'compile':>8} {'run':>6} {'first call':>10}  (median of "
+        f"{args.repeats}; each)")
+  total = {}
+  for (d, n), runs in calls.items():
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    total[d, n] = statistics.median(sum(r.values()) for r in runs)
+    print(f"{d:>6} {n:>10} {med['trace']:6.2f} {med['lower']:6.2f} "
+          f"{med['compile']:8.2f} {med['run']:6.2f} {total[d, n]:10.2f}  "
+          + ", ".join(f"{sum(r.values()):.2f}" for r in runs))
+  lo, hi = min(args.depths), max(args.depths)
+  grow = {n: total[hi, n] - total[lo, n] for n in ("adamw", "kfac")}
+  print(f"growth from {lo} to {hi} blocks: AdamW {grow['adamw']:.2f} s, "
+        f"kfac_adamw {grow['kfac']:.2f} s = "
+        f"{grow['kfac'] / grow['adamw']:.2f}x AdamW's; first-call ratio "
+        f"{total[lo, 'kfac'] / total[lo, 'adamw']:.2f}x at {lo}, "
+        f"{total[hi, 'kfac'] / total[hi, 'adamw']:.2f}x at {hi}")
+  return {"calls": calls, "growth": grow}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--depths", type=int, nargs="+", default=[3, 12, 48])
+  parser.add_argument("--depths", type=int, nargs="+", default=None)
+  parser.add_argument("--gpt", action="store_true",
+                      help="the char GPT at --depths blocks (default 4 12)")
+  parser.add_argument("--gpt-child", nargs=2, help=argparse.SUPPRESS)
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument(
@@ -198,7 +260,18 @@ def main():
            "compiled large programs compiles the next ones slower)")
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.depths is None:
+    args.depths = [4, 12] if args.gpt else [3, 12, 48]
   warm = warm_up_process()
+  if args.gpt_child:
+    print(json.dumps(_gpt_first_call(int(args.gpt_child[0]),
+                                     args.gpt_child[1])))
+    return
+  if args.gpt:
+    print(f"load {os.getloadavg()[0]:.1f}")
+    gpt_depths(args)
+    print(f"load {os.getloadavg()[0]:.1f}")
+    return
   if args.child:
     depth, stacked, name = args.child
     t, step = _one(int(depth), bool(int(stacked)), args.batch, name,

@@ -24,6 +24,7 @@ Run::
   python benchmarks/gpt_race.py                 # ~25 min on 2 CPUs
   python benchmarks/gpt_race.py --long 600 --adam-lrs 3e-3
   python benchmarks/gpt_race.py --profile       # first call split; parts
+                                                # (benchmarks/step_profile.py)
 """
 
 from __future__ import annotations
@@ -122,10 +123,14 @@ def first_call_split(step, args, repeats: int = 5) -> tuple:
 
 
 def profile(s: dict, gpt) -> None:
-  """The first call of AdamW's and K-FAC's whole step split into trace,
-  lower, compile and first run; then XLA's flop estimate, compile seconds
-  and median of 5 runs of each part of K-FAC's step, each jitted alone
-  (LAPACK calls are not counted in the flops)."""
+  """``step_profile``'s tables (the first calls of AdamW's and K-FAC's
+  whole steps split into trace, lowering, compile and first run, their
+  program sizes and their steps' milliseconds by part, which add up to
+  the step); then XLA's flop estimate, compile seconds and median of 5
+  runs of each part of K-FAC's step, each jitted alone (LAPACK calls are
+  not counted in the flops), and the first call of ``kfac_optimizer``."""
+  import step_profile  # pylint: disable=import-outside-toplevel
+  step_profile.run(step_profile.parse_args([])[0], gpt, s)
   params, loss_fn = s["params"], s["loss_fn"]
   batch = s["batch_fn"](0)
   rows = max(1, math.ceil(gpt.kfac_stats_fraction * gpt.batch_size))
@@ -138,8 +143,6 @@ def profile(s: dict, gpt) -> None:
   damping = gpt.kfac_damping
   state = jax.jit(lambda st: est.update_cache(st, damping))(state)
   grads = jax.grad(loss_fn)(params, batch)
-  adamw = char_gpt.adamw_transform(gpt.adam_lr)
-  kfac_tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
   rms = optax.scale_by_rms(0.999, eps_in_sqrt=False, bias_correction=True)
   tail = optax.chain(optax.ema(gpt.kfac_momentum, debias=True),
                      optax.add_decayed_weights(gpt.kfac_weight_decay),
@@ -157,11 +160,8 @@ def profile(s: dict, gpt) -> None:
   print(f"{'first call (s)':24} {'trace':>6} {'lower':>6} {'compile':>8} "
         f"{'run':>6} {'total':>6} {'step ms':>8}")
   for name, fn, args in (
-      ("AdamW step", step(adamw), (params, adamw.init(params), batch)),
-      ("K-FAC step", step(kfac_tx, fraction),
-       (params, kfac_tx.init(params), batch)),
       ("kfac_optimizer step", step(optimizer, 1.0),
-       (params, optimizer.init(params), batch))):
+       (params, optimizer.init(params), batch)),):
     t = first_call_split(fn, args)
     print(f"{name:24} {t[0]:6.2f} {t[1]:6.2f} {t[2]:8.2f} {t[3]:6.2f} "
           f"{sum(t[:4]):6.2f} {1e3 * t[4]:8.1f}", flush=True)

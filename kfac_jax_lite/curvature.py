@@ -143,7 +143,9 @@ def _refresh(est, period, stagger, count, est_state, damping, gate):
         "stagger_inverse_updates=True needs a static inverse_update_period;"
         " mark it static (e.g. inject_hyperparams(..., static_args=...)).")
   def refresh(s, layers=None):
-    return est.update_cache(s, damping, layers)
+    # Named for profiles (docs/performance.md#where-the-gpt-step-goes).
+    with jax.named_scope("kfac_refresh"):
+      return est.update_cache(s, damping, layers)
 
   def keep(s):
     return s
@@ -245,7 +247,8 @@ def update_curvature(estimator: estimator_lib.FisherEstimator, *,
     count = state.count
     lam = value_at(damping, count)
     checked = stats if not callable(stats) else None
-    finite = inputs_finite((updates, dynamic(lam)), checked, est.axis_name)
+    with jax.named_scope("kfac_finite"):
+      finite = inputs_finite((updates, dynamic(lam)), checked, est.axis_name)
     # The estimator hashes the key with the axis index (per-replica draws).
     key, next_rng = keys_lib.step_keys(state.rng)
 

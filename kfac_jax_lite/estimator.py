@@ -355,7 +355,10 @@ class FisherEstimator(products.CurvatureProducts):
     Returns:
       The :class:`Stats` of every block, for :meth:`update_curvature`.
     """
-    return self.stats_from(self.linearize(params, batch), rng)
+    # A named scope: profiles attribute the statistics pass to it
+    # (docs/performance.md#where-the-gpt-step-goes).
+    with jax.named_scope("kfac_pass"):
+      return self.stats_from(self.linearize(params, batch), rng)
 
   def update_curvature(self, state: EstimatorState, params=None, batch=None,
                        rng=None, *, stats=None, ema_decay=None):
@@ -457,8 +460,9 @@ class FisherEstimator(products.CurvatureProducts):
       state = self.sync_factors(state, layers)
     args = ([self.blocks[g[0]] for g in self.groups], self.groups,
             self._stacked(state), damping, layers)
-    new = (refresh.update_cache(*args) if not self.distributed_inverses
-           else refresh.distributed_update_cache(*args, self.axis_name))
+    with jax.named_scope("kfac_refresh"):
+      new = (refresh.update_cache(*args) if not self.distributed_inverses
+             else refresh.distributed_update_cache(*args, self.axis_name))
     return self._replace(state, new)
 
   def _replace(self, state, per_group) -> EstimatorState:

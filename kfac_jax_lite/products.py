@@ -108,8 +108,9 @@ class CurvatureProducts:
       ValueError: if ``v`` does not have the parameters' structure.
     """
     leaves, parts = grouping.split_params(self.collection, v, name)
-    per_group = self._per_group(state, lambda b, s, x: b.product_input(x),
-                                self._combine(parts))
+    with jax.named_scope("kfac_inputs"):
+      per_group = self._per_group(
+          state, lambda b, s, x: b.product_input(x), self._combine(parts))
     used = {i for l in self.collection.layers for i in l.param_indices}
     rest = [x for i, x in enumerate(leaves) if i not in used]
     return ProductInputs(leaves, parts, per_group, rest)
@@ -142,9 +143,10 @@ class CurvatureProducts:
       state = self._replace(state, distributed.average_live_factors(
           [self.blocks[g[0]] for g in self.groups], self._stacked(state),
           self._live, self.axis_name))
-    return self._apply(
-        state, v, lambda b, s, x: b.multiply_matpower_raw(s, x, exp),
-        finish=lambda b, r, x: b.finish_product(r, x), inputs=inputs)
+    with jax.named_scope("kfac_precondition"):
+      return self._apply(
+          state, v, lambda b, s, x: b.multiply_matpower_raw(s, x, exp),
+          finish=lambda b, r, x: b.finish_product(r, x), inputs=inputs)
 
   def multiply(self, state, v):
     """``F̂ v``: the damped curvature times a params-shaped ``v``.
