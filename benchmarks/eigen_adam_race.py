@@ -73,11 +73,14 @@ def main(argv=None) -> dict:
   p.add_argument("--max-steps", type=int, default=400)
   p.add_argument("--adam-lrs", default="3e-3")
   p.add_argument("--config", action="append", default=[])
+  p.add_argument("--target", type=float, default=None,
+                 help="AdamW's loss from an earlier run (no AdamW runs)")
   args, rest = p.parse_known_args(argv)
   gpt = char_gpt.parse_args([a for a in rest if a != "--"])
   s = char_gpt.setup(gpt)
   adams = []
-  for lr in map(float, args.adam_lrs.split(",")):
+  for lr in map(float, args.adam_lrs.split(",") if args.target is None
+                else ()):
     state, step = char_gpt.make_adamw_runner(s["loss_fn"], lr, s["params"])
     adams.append(char_gpt.Run(f"adamw{lr:g}", s["params"], state, step))
   cands = []
@@ -89,7 +92,7 @@ def main(argv=None) -> dict:
   runs = adams + cands
   for r in runs:
     r.curve.append((0, 0.0, s["eval_fn"](r.params)))
-  target = float("-inf")
+  target = float("-inf") if args.target is None else args.target
   while True:
     active = [r for r in adams if r.steps < args.steps] + [
         r for r in cands if r.steps < args.max_steps
@@ -99,15 +102,18 @@ def main(argv=None) -> dict:
     for r in active:
       r.advance(s["batch_fn"], gpt.eval_every)
       r.curve.append((r.steps, r.seconds, s["eval_fn"](r.params)))
-    if all(a.steps >= args.steps for a in adams):
+    if adams and all(a.steps >= args.steps for a in adams):
       target = min(a.curve[-1][2] for a in adams)
     print(" ".join(f"{r.name}@{r.steps}={r.curve[-1][2]:.3f}"
                    for r in active), flush=True)
-  best = min(adams, key=lambda a: a.curve[-1][2])
-  t_adam = best.seconds
-  print(f"\ntarget: {best.name} {target:.4f} after {args.steps} steps in "
-        f"{t_adam:.1f} s ({1e3 * char_gpt.median_step(best):.1f} ms/step,"
-        f" first call {best.first_call:.2f} s)")
+  t_adam = float("nan")
+  if adams:
+    best = min(adams, key=lambda a: a.curve[-1][2])
+    t_adam = best.seconds
+    print(f"\ntarget: {best.name} {target:.4f} after {args.steps} steps "
+          f"in {t_adam:.1f} s ({1e3 * char_gpt.median_step(best):.1f} "
+          f"ms/step, first call {best.first_call:.2f} s)")
+    print("curve: " + " ".join(f"{n}:{l:.3f}" for n, _, l in best.curve))
   out = {}
   for r in cands:
     n = char_gpt.steps_to_loss(r, target)

@@ -48,7 +48,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, cast
 
 import jax
 from jax import lax
@@ -82,6 +82,10 @@ class EigenAdamState(NamedTuple):
     nu: group name -> the second moment in that basis.
     rest_mu: the first moments of the other leaves, in leaf order.
     rest_nu: their second moments.
+
+  Example:
+    >>> state = kl.scale_by_kfac_eigen_adam(collection).init(params)
+    >>> state.count, list(state.nu), state.curvature.num_inverse_updates
   """
   count: jnp.ndarray         # [] int32
   curvature: CurvatureState  # factors and eigenbases
@@ -298,7 +302,10 @@ def scale_by_kfac_eigen_adam(
                                 "updates")
     _, cstate = curvature.update(inputs.checked(), state.curvature, params,
                                  batch=batch, stats=stats)
-    count = optax.safe_increment(state.count)
+    # update_curvature's state is a CurvatureState (optax types it as any
+    # pytree).
+    cstate = cast(CurvatureState, cstate)
+    count = jnp.asarray(optax.safe_increment(state.count))
     refreshed = cstate.num_inverse_updates > (
         state.curvature.num_inverse_updates)
     outs, mu, nu = _rotated_step(est, lay, state, cstate, inputs, count,
@@ -364,24 +371,31 @@ def _rotated_step(est, lay, state, cstate, inputs, count, refreshed, hyper,
   return outs, mu, nu
 
 
-def rotated_layers(tx_collection_or_estimator) -> tuple:
+def rotated_layers(source) -> tuple:
   """The names of the layers :func:`scale_by_kfac_eigen_adam` runs in
-  their eigenbasis (every other parameter gets plain Adam).
+  their eigenbasis; every other parameter gets plain Adam.
+
+  A layer is rotated when its block is a Kronecker block (dense layers,
+  embeddings: their output side only) whose factors are
+  eigendecomposed; convolutions, normalisation scales, generic layers and
+  EK-FAC blocks are not.
 
   Args:
-    tx_collection_or_estimator: a collection (its default estimator) or a
-      :class:`~kfac_jax_lite.FisherEstimator`.
+    source: a :class:`~kfac_jax_lite.LayerCollection` (its default
+      estimator) or a :class:`~kfac_jax_lite.FisherEstimator` with
+      ``damping_type="exact"``.
 
   Returns:
-    A tuple of layer names.
+    A tuple of layer names, in collection order.
+
+  Example:
+    >>> kl.rotated_layers(collection)
+    ("['blocks'][0]['qkv']", ...)
   """
-  est = eigen_estimator(
-      None if isinstance(tx_collection_or_estimator,
-                         estimator_lib.FisherEstimator)
-      else tx_collection_or_estimator,
-      tx_collection_or_estimator if isinstance(
-          tx_collection_or_estimator, estimator_lib.FisherEstimator)
-      else None, None, None)
+  if isinstance(source, estimator_lib.FisherEstimator):
+    est = eigen_estimator(None, source, None, None)
+  else:
+    est = eigen_estimator(source, None, None, None)
   return tuple(est.collection.layers[i].name for i in _layout(est).layers)
 
 
