@@ -12,7 +12,8 @@ after ``--``), AdamW (``weight_decay=0.01``, constant rate, best of
 A config is ``name:key=value,...`` with keys ``lr``, ``b1``, ``b2``,
 ``period`` (refresh), ``decay`` (factor EMA), ``rotate`` (0/1: carry the
 second moments), ``frac`` (stats fraction), ``wd``, ``warmup`` (linear
-warm-up steps), ``kind`` (``soap`` or ``adamw`` for ``kfac_adamw``).
+warm-up steps), ``kind`` (``soap``, ``adamw`` for ``kfac_adamw``, or
+``plain`` for ``optax.adamw`` itself, to time it beside the others).
 
 Run::
 
@@ -58,6 +59,8 @@ def make_tx(cfg: dict, collection):
     lr = optax.linear_schedule(lr / cfg["warmup"], lr, cfg["warmup"])
   if cfg.get("kind", "soap") == "adamw":
     return kfac_jax_lite.kfac_adamw(lr, collection)
+  if cfg.get("kind") == "plain":  # optax.adamw, for step times beside
+    return optax.adamw(lr, weight_decay=0.01)
   keys = dict(b1="b1", b2="b2", period="refresh_period",
               decay="cov_ema_decay", frac="stats_fraction",
               wd="weight_decay")
@@ -86,8 +89,9 @@ def main(argv=None) -> dict:
   cands = []
   for text in args.config:
     name, cfg = parse_config(text)
-    state, step = char_gpt.make_kfac_runner(
-        s["loss_fn"], make_tx(cfg, s["collection"]), 1.0, s["params"])
+    state, step = char_gpt.make_runner(
+        s["loss_fn"], make_tx(cfg, s["collection"]),
+        None if cfg.get("kind") == "plain" else 1.0, s["params"])
     cands.append(char_gpt.Run(name, s["params"], state, step))
   runs = adams + cands
   for r in runs:
