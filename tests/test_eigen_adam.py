@@ -252,11 +252,13 @@ def test_bad_estimator_and_collection():
 @pytest.mark.parametrize("kwargs,words", [
     (dict(stats_fraction=0.0), ["stats_fraction", "0.0"]),
     (dict(weight_decay=-1.0), ["weight_decay=-1.0", ">= 0"]),
+    (dict(learning_rate=-1.0), ["learning_rate=-1.0", ">= 0"]),
 ])
 def test_kfac_soap_bad_arguments(kwargs, words):
   _, _, c = _problem(1)
+  kwargs = {"learning_rate": 1e-3, **kwargs}
   with pytest.raises(ValueError) as err:
-    kl.kfac_soap(1e-3, c, **kwargs)
+    kl.kfac_soap(collection=c, **kwargs)
   for w in words:
     assert w in str(err.value)
 
