@@ -220,7 +220,7 @@ def _init(est, curvature, lay, params):
 
 def scale_by_kfac_eigen_adam(
     collection: Optional[LayerCollection], *, b1: float = 0.9,
-    b2: float = 0.95, eps: float = 1e-8, refresh_period: int = 10,
+    b2: float = 0.95, eps: float = 1e-8, refresh_period: int = 5,
     cov_ema_decay: Optional[float] = None, cov_update_period: int = 1,
     rotate_second_moments: bool = False, axis_name: Any = None,
     seed: int = 0,
@@ -402,7 +402,7 @@ def rotated_layers(source) -> tuple:
 def kfac_soap(learning_rate: ScalarOrSchedule,
               collection: Optional[LayerCollection], *,
               b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-              weight_decay: float = 0.01, refresh_period: int = 10,
+              weight_decay: float = 0.01, refresh_period: int = 5,
               cov_ema_decay: Optional[float] = None,
               stats_fraction: float = 0.125,
               rotate_second_moments: bool = False, seed: int = 0,
