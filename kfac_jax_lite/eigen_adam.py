@@ -423,7 +423,12 @@ def kfac_soap(learning_rate: ScalarOrSchedule,
         optax.scale_by_learning_rate(learning_rate)))
 
   with the statistics taken from the first ``⌈stats_fraction · B⌉``
-  examples of ``batch=``. Its learning rate is of AdamW's order.
+  examples of ``batch=``. Its learning rate is of AdamW's order. On the
+  character-level GPT of ``examples/char_gpt.py`` (``docs/kfac_soap.md``,
+  2-core CPU) it reached AdamW's 600-step validation loss in 300 steps at
+  ``lr=3e-3, refresh_period=10`` (:func:`~kfac_jax_lite.kfac_adamw`: 350),
+  and a refresh every 5 steps (the default) was ahead of that over the
+  150 steps compared.
 
   Args:
     learning_rate: α, a float or schedule.
