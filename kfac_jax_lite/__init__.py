@@ -29,6 +29,10 @@ from kfac_jax_lite.loss_tags import register_normal_predictive_distribution
 from kfac_jax_lite.loss_tags import register_sigmoid_cross_entropy_loss
 from kfac_jax_lite.loss_tags import register_softmax_cross_entropy_loss
 from kfac_jax_lite.loss_tags import register_squared_error_loss
+from kfac_jax_lite.eigen_adam import EigenAdamState
+from kfac_jax_lite.eigen_adam import kfac_soap
+from kfac_jax_lite.eigen_adam import rotated_layers
+from kfac_jax_lite.eigen_adam import scale_by_kfac_eigen_adam
 from kfac_jax_lite.grafting import GraftState
 from kfac_jax_lite.grafting import graft
 from kfac_jax_lite.grafting import kfac_adamw
@@ -52,6 +56,7 @@ from kfac_jax_lite.transform import skip_nonfinite
 __all__ = [
     "APPROXIMATIONS",
     "CurvatureState",
+    "EigenAdamState",
     "EstimatorState",
     "FisherEstimator",
     "GraftState",
@@ -67,6 +72,7 @@ __all__ = [
     "kfac",
     "kfac_adamw",
     "kfac_optimizer",
+    "kfac_soap",
     "link_parameters",
     "loss_value",
     "register_categorical_predictive_distribution",
@@ -86,6 +92,8 @@ __all__ = [
     "register_sigmoid_cross_entropy_loss",
     "register_softmax_cross_entropy_loss",
     "register_squared_error_loss",
+    "rotated_layers",
+    "scale_by_kfac_eigen_adam",
     "scale_by_kfac",
     "scan",
     "skip_nonfinite",
