@@ -93,6 +93,53 @@ def place(estimator, mesh, curvature_axis):
   return ShardedEstimator(estimator, mesh, names)
 
 
+def gather(estimator, layout, state: ShardedState) -> EstimatorState:
+  """``estimator``'s own state from a sharded ``state`` packed by
+  ``layout`` (every block gathered where this runs)."""
+  per = {}
+  for r in range(layout.plan.num_devices):
+    per.update(layout.unpack(r, {dt: x[r] for dt, x in state.rows.items()}))
+  stacked = [grouping.combine([per[i] for i in g]) for g in estimator.groups]
+  names = [grouping.group_name(g) for g in estimator.groups]
+  return EstimatorState(dict(zip(names, stacked)), (), ())
+
+
+def relayout(opt_state, estimator, mesh, curvature_axis):
+  """``opt_state`` with every :class:`ShardedState` in it moved onto
+  ``curvature_axis`` of ``mesh`` (e.g. a checkpoint of 8 devices resumed
+  on 4): each is gathered with the plan of its own number of rows and
+  packed with the new mesh's plan. The blocks' values move bit for bit.
+
+  Args:
+    opt_state: an optax state holding sharded curvature states (restored
+      from a checkpoint, with its rows on any devices).
+    estimator: a :class:`~kfac_jax_lite.FisherEstimator` whose blocks
+      match the transform's (``kl.FisherEstimator(collection)`` for
+      ``kfac``, ``kfac_adamw`` and ``kfac_optimizer``).
+    mesh: the new ``jax.sharding.Mesh``.
+    curvature_axis: its axis name(s) for the curvature.
+
+  Returns:
+    ``opt_state`` on the new layout; other leaves are unchanged.
+
+  Example:
+    >>> opt = kl.sharded.relayout(restored, kl.FisherEstimator(c), mesh4,
+    ...                           "data")
+  """
+  new = place(estimator, mesh, curvature_axis)
+
+  def move(s):
+    if not isinstance(s, ShardedState):
+      return s
+    rows = next(iter(s.rows.values())).shape[0]
+    old = placement.make_layout(
+        placement.make_plan(estimator, rows, new.axis), estimator)
+    return new.from_logical(gather(estimator, old, s))
+
+  return jax.tree.map(move, opt_state,
+                      is_leaf=lambda x: isinstance(x, ShardedState))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedEstimator:
   """A :class:`~kfac_jax_lite.FisherEstimator` whose blocks are spread
@@ -159,13 +206,7 @@ class ShardedEstimator:
   def logical(self, state: ShardedState) -> EstimatorState:
     """The wrapped estimator's state (every block gathered): for tests,
     inspection and moving a state onto another mesh, not for steps."""
-    per = {}
-    for r in range(self.num_devices):
-      per.update(self.layout.unpack(r, {dt: x[r]
-                                        for dt, x in state.rows.items()}))
-    est = self.estimator
-    stacked = [grouping.combine([per[i] for i in g]) for g in est.groups]
-    return EstimatorState(dict(zip(est._names, stacked)), (), ())  # pylint: disable=protected-access
+    return gather(self.estimator, self.layout, state)
 
   def _check(self, state, name="state"):
     if not isinstance(state, ShardedState) or set(state.rows) != set(

@@ -138,3 +138,115 @@ def _layout_of(collection, mesh, axis):
   """A sharded estimator with the transforms' layout (the plan depends on
   the blocks only), to read their states with."""
   return sharded.place(kl.FisherEstimator(collection), mesh, axis)
+
+
+# ---- the plan ---------------------------------------------------------------
+def test_plan_is_longest_first_and_packs_each_device_row(problem):
+  est = kl.FisherEstimator(problem.scan())
+  plan = placement.make_plan(est, 3, ("d",))
+  nbytes = [u.nbytes for u in plan.units]
+  # Each block's bytes: its factors, EMA weights and cached inverses.
+  shapes = [jax.eval_shape(b.init) for b in est.blocks]
+  assert nbytes == [sum(x.size * 4 for x in jax.tree.leaves(s))
+                    for s in shapes]
+  # Greedy longest first, by hand: the largest block to the least loaded
+  # device (ties: lowest device, earlier layer).
+  load, want = [0, 0, 0], [None] * len(nbytes)
+  for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+    d = min(range(3), key=lambda d: (load[d], d))
+    want[i], load[d] = d, load[d] + nbytes[i]
+  assert plan.owners == tuple(want)
+  assert plan.loads() == load
+  assert max(load) <= sum(load) / 3 + max(nbytes)  # Graham's bound.
+  text = plan.describe()
+  assert repr(plan) == text and "device 2:" in text
+  for u in plan.units:
+    assert u.name in text
+  # Packing a device's row and unpacking it gives its blocks back.
+  layout = placement.make_layout(plan, est)
+  states = {i: jax.tree.map(lambda x, i=i: x + i, s) for i, s in
+            enumerate(est.per_layer(est.init(problem.params)))}
+  for r in range(3):
+    row = layout.pack(r, states)
+    assert {k: v.shape for k, v in row.items()} == {
+        k: (w,) for k, w in layout.widths.items()}
+    back = layout.unpack(r, row)
+    assert sorted(back) == list(plan.layers_of(r))
+    for i, s in back.items():
+      for x, y in zip(jax.tree.leaves(s), jax.tree.leaves(states[i])):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_each_device_holds_its_share_of_the_curvature(problem, devices):
+  c = problem.scan()
+  mesh = _mesh(devices)
+  tx = kl.kfac(1e-2, c, mesh=mesh, curvature_axis="d")
+  state = _curvature(jax.jit(tx.init)(problem.params))
+  plan = _layout_of(c, mesh, "d").plan
+  total = sum(u.nbytes for u in plan.units)
+  per_device = {d: 0 for d in devices}
+  for x in state.rows.values():
+    assert x.sharding.spec == P("d")
+    for shard in x.addressable_shards:
+      assert shard.data.shape[0] == 1  # One row: its own blocks only.
+      per_device[shard.device] += shard.data.nbytes
+  assert max(per_device.values()) <= 1.15 * total / R, (
+      per_device, total, plan.describe())
+
+
+def test_refresh_and_products_gather_no_curvature(problem, devices):
+  """With replicated parameters, the compiled step has no all-gather: the
+  curvature never moves; only the statistics and the update are reduced."""
+  c = problem.scan()
+  mesh = _mesh(devices)
+  tx = kl.kfac(1e-2, c, inverse_update_period=1, mesh=mesh,
+               curvature_axis="d")
+  state = jax.jit(tx.init)(problem.params)
+
+  def step(params, state, batch):
+    grads = jax.grad(problem.loss)(params, batch)
+    return tx.update(grads, state, params, batch=batch)
+
+  batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
+  hlo = jax.jit(step).lower(problem.params, state, batch).compile().as_text()
+  assert "all-gather" not in hlo
+  assert "all-reduce" in hlo
+
+
+# ---- bad input --------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(curvature_axis="d"), r"curvature_axis='d' needs mesh="),
+    (dict(mesh="mesh", curvature_axis="d"), r"mesh='mesh' is a str"),
+    (dict(mesh=True), r"mesh= is given without curvature_axis"),
+    (dict(mesh=True, curvature_axis="x"),
+     r"curvature_axis='x': 'x' is not an axis of the mesh, whose axes are "
+     r"\['d'\]"),
+    (dict(mesh=True, curvature_axis=("d", "d")), r"names an axis twice"),
+    (dict(mesh=True, curvature_axis="d", axis_name="d"),
+     r"axis_name='d' is given with mesh="),
+])
+def test_bad_mesh_arguments(problem, devices, kwargs, match):
+  if kwargs.get("mesh") is True:
+    kwargs["mesh"] = _mesh(devices)
+  for make in (lambda **kw: kl.kfac(1e-2, problem.scan(), **kw),
+               lambda **kw: kl.kfac_optimizer(problem.scan(), **kw)):
+    with pytest.raises((ValueError, TypeError), match=match):
+      make(**kwargs)
+
+
+def test_params_off_the_mesh_are_reported(problem, devices):
+  mesh = _mesh(devices[:2], (2,))
+  params = jax.device_put(problem.params, devices[3])
+  tx = kl.kfac(1e-2, problem.scan(), mesh=mesh, curvature_axis="d")
+  with pytest.raises(ValueError, match=r"params\['layer0'\]\['b'\] lies on "
+                     r"devices \[\d+\], but mesh= has devices"):
+    tx.init(params)
+
+
+def test_a_state_of_another_layout_is_reported(problem, devices):
+  c = problem.scan()
+  tx = kl.scale_by_kfac(c, mesh=_mesh(devices), curvature_axis="d")
+  plain = kl.scale_by_kfac(c).init(problem.params)
+  grads = jax.tree.map(jnp.zeros_like, problem.params)
+  with pytest.raises(ValueError, match="not the state of this sharded"):
+    tx.update(grads, plain, problem.params, batch=problem.batch)
