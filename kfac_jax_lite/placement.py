@@ -178,16 +178,23 @@ class Plan:
     lines = [
         f"Curvature placement over {'x'.join(map(str, self.axis))} "
         f"({self.num_devices} devices): {len(self.units)} blocks, "
-        f"{total / 2**20:.1f} MiB in all; max/mean bytes "
+        f"{_size(total)} in all; max/mean bytes "
         f"{self.imbalance():.3f}, refresh cost {self.imbalance('flops'):.3f}"]
     for r in range(self.num_devices):
       names = [self.units[i].name for i in self.layers_of(r)]
-      lines.append(f"  device {r}: {nb[r] / 2**20:9.2f} MiB, "
+      lines.append(f"  device {r}: {_size(nb[r]):>10}, "
                    f"refresh {fl[r]:.3g}  {', '.join(names) or '-'}")
     return "\n".join(lines)
 
   def __repr__(self) -> str:
     return self.describe()
+
+
+def _size(n: float) -> str:
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{n / scale:.1f} {unit}"
+  return f"{int(n)} B"
 
 
 def make_plan(estimator, num_devices: int, axis: Sequence[Hashable] = ()

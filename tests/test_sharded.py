@@ -250,3 +250,65 @@ def test_a_state_of_another_layout_is_reported(problem, devices):
   grads = jax.tree.map(jnp.zeros_like, problem.params)
   with pytest.raises(ValueError, match="not the state of this sharded"):
     tx.update(grads, plain, problem.params, batch=problem.batch)
+
+
+# ---- checkpoints ------------------------------------------------------------
+def _stepper(problem, tx, mesh):
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.grad(problem.loss)(params, batch)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    return jax.tree.map(lambda p, u: p + u, params, updates), state
+
+  def run(params, state, batches):
+    for b in batches:
+      params, state = step(params, state, jax.device_put(
+          b, NamedSharding(mesh, P("d"))))
+    return params, state
+  return run
+
+
+def _target(tree, sharding=None):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding or x.sharding), tree)
+
+
+def test_checkpoint_resumes_bitwise_and_onto_another_mesh(problem, devices,
+                                                          tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  c = problem.scan()
+  mesh, small = _mesh(devices), _mesh(devices[:2], (2,))
+  tx = kl.kfac(1e-2, c, damping=1e-2, inverse_update_period=2, mesh=mesh,
+               curvature_axis="d")
+  run = _stepper(problem, tx, mesh)
+  params, state = run(problem.params, jax.jit(tx.init)(problem.params),
+                      problem.batches[:2])
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "ckpt", {"params": params, "opt": state})
+  ckpt.wait_until_finished()
+  want = run(params, state, problem.batches[2:])
+  back = ckpt.restore(tmp_path / "ckpt",
+                      _target({"params": params, "opt": state}))
+  for x, y in zip(jax.tree.leaves(back["opt"]), jax.tree.leaves(state)):
+    assert x.sharding == y.sharding
+    np.testing.assert_array_equal(x, y)
+  got = run(back["params"], back["opt"], problem.batches[2:])
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(x, y)
+  # The same checkpoint on 2 devices: rows restored onto the small mesh,
+  # then each block moved to its owner under the 2-device plan.
+  est = kl.FisherEstimator(c)
+  onto = ckpt.restore(tmp_path / "ckpt", _target(
+      {"params": params, "opt": state}, NamedSharding(small, P())))
+  opt = sharded.relayout(onto["opt"], est, small, "d")
+  rows = _curvature(opt).rows["float32"]
+  assert rows.shape[0] == 2 and rows.sharding.spec == P("d")
+  old, new = _layout_of(c, mesh, "d"), _layout_of(c, small, "d")
+  for x, y in zip(jax.tree.leaves(new.logical(_curvature(opt))),
+                  jax.tree.leaves(old.logical(_curvature(state)))):
+    np.testing.assert_array_equal(x, y)  # The blocks moved bit for bit.
+  tx2 = kl.kfac(1e-2, c, damping=1e-2, inverse_update_period=2, mesh=small,
+                curvature_axis="d")
+  moved = _stepper(problem, tx2, small)(onto["params"], opt,
+                                        problem.batches[2:])
+  helpers.assert_trees_close(moved[0], want[0], rtol=1e-5)
