@@ -247,12 +247,6 @@ class ShardedEstimator:
                        check_vma=False)
     return fn(rows, operands)
 
-  def _subgroups(self, layers) -> list:
-    """``layers`` grouped as the estimator groups them (same shapes)."""
-    wanted = set(layers)
-    return [tuple(i for i in g if i in wanted) for g in self.estimator.groups
-            if any(i in wanted for i in g)]
-
   # ---- verbs -------------------------------------------------------------
   def init(self, params) -> ShardedState:
     """The initial state (zero factors, identity caches), each block on
@@ -305,22 +299,50 @@ class ShardedEstimator:
     wanted = None if layers is None else set(layers)
 
     def branch(r, states, lam):
-      mine = [i for i in states if wanted is None or i in wanted]
-      if not mine:
-        return {}
-      subs = self._subgroups(mine)
-      new = refresh.update_cache(
-          [est.blocks[g[0]] for g in subs],
-          tuple(tuple(range(len(g))) for g in subs),
-          [grouping.combine([states[i] for i in g]) for g in subs], lam)
-      out = {}
-      for g, s in zip(subs, new):
-        for i, x in zip(g, [s] if len(g) == 1 else grouping.unstack(
-            s, len(g))):
-          out[i] = x
-      return out
+      return self._refresh_own([i for i in states if wanted is None
+                                or i in wanted], states, lam)
 
     return ShardedState(self._run(branch, state.rows, damping, False))
+
+  @functools.cached_property
+  def _padded_sizes(self) -> dict:
+    """``{(layer, factor): N}``: the size each dense factor of a layer
+    without a same-shaped twin is padded to in the refresh without a mesh
+    (:func:`refresh.bucket_sizes`), so its owner rounds alike."""
+    est = self.estimator
+    alone = [g[0] for g in est.groups if len(g) == 1]
+    sizes = {}
+
+    def probe():
+      blocks = [est.blocks[i] for i in alone]
+      sizes.update(refresh.bucket_sizes(blocks, [b.init() for b in blocks]))
+      return 0
+
+    jax.eval_shape(probe)
+    return {(alone[k], name): n for (k, name), n in sizes.items()}
+
+  @refresh.highest_precision
+  def _refresh_own(self, mine, states, lam) -> dict:
+    """The refreshed states of the layers ``mine`` of one device, computed
+    as without a mesh: a layer without a same-shaped twin through the
+    padded bucket it has there, the members of a group under one
+    ``vmap``."""
+    est = self.estimator
+    out = {}
+    for g in est.groups:
+      own = [i for i in g if i in mine]
+      if len(g) > 1 and own:
+        new = jax.vmap(lambda s, b=est.blocks[g[0]]: b.update_cache(s, lam))(
+            grouping.stack([states[i] for i in own]))
+        out.update(zip(own, grouping.unstack(new, len(own))))
+    alone = [i for i in mine if i not in out]
+    if alone:
+      sizes = {(k, n): size for (i, n), size in self._padded_sizes.items()
+               for k, j in enumerate(alone) if i == j}
+      out.update(zip(alone, refresh.bucketed_update_cache(
+          [est.blocks[i] for i in alone], [states[i] for i in alone], lam,
+          sizes)))
+    return out
 
   def product_inputs(self, state, v, name: str = "v") -> ProductInputs:
     """``v`` as the blocks multiply it, per layer (``per_group`` holds one
@@ -345,18 +367,30 @@ class ShardedEstimator:
     xs, parts = inputs.per_group, inputs.parts
     state_shapes = [jax.eval_shape(b.init) for b in est.blocks]
 
-    def product(i, s, x, like):
-      b = est.blocks[i]
-      return b.finish_product(b.multiply_matpower_raw(s, x, exp), like)
+    def raw(i, s, x):
+      return est.blocks[i].multiply_matpower_raw(s, x, exp)
 
-    shapes = [jax.eval_shape(functools.partial(product, i), state_shapes[i],
-                             xs[i], parts[i])
+    def finish(i, r, like):
+      return est.blocks[i].finish_product(r, like)
+
+    shapes = [jax.eval_shape(lambda s, x, like, i=i: finish(
+        i, raw(i, s, x), like), state_shapes[i], xs[i], parts[i])
               for i in range(len(est.blocks))]
 
     def branch(r, states, ops):
       xs, parts = ops
-      return [product(i, states[i], xs[i], parts[i]) if i in states else
-              jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes[i])
+      res = {}
+      for g in est.groups:  # One vmap per group, as without a mesh.
+        own = [i for i in g if i in states]
+        if len(g) > 1 and own:
+          out = jax.vmap(functools.partial(raw, g[0]))(
+              grouping.stack([states[i] for i in own]),
+              grouping.stack([xs[i] for i in own]))
+          res.update(zip(own, grouping.unstack(out, len(own), True)))
+        elif own:
+          res[own[0]] = raw(own[0], states[own[0]], xs[own[0]])
+      return [finish(i, res[i], parts[i]) if i in res else jax.tree.map(
+          lambda t: jnp.zeros(t.shape, t.dtype), shapes[i])
               for i in range(len(est.blocks))]
 
     with jax.named_scope("kfac_sharded_product"):
