@@ -148,7 +148,7 @@ def measure_time(args, gpt, mesh):
     p = jax.tree.map(lambda x: x.copy(), params)
     runs[name] = [step, p, jax.jit(tx.init)(p), []]
   for i in range(args.repeats + 2):
-    for name, run in runs.items():
+    for run in runs.values():
       step, p, s, times = run
       t = time.perf_counter()
       p, s = step(p, s, batch)

@@ -34,6 +34,7 @@ import math
 from typing import Any, Hashable, Sequence
 
 import jax
+import jax.core  # jax.core.Tracer
 import numpy as np
 
 from kfac_jax_lite import distributed

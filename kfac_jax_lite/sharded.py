@@ -75,7 +75,7 @@ class ShardedState(NamedTuple):
   rows: dict  # dtype -> [R, L] sharded over the curvature axis
 
 
-def place(estimator, mesh, curvature_axis):
+def place(estimator, mesh, curvature_axis) -> Any:
   """``estimator``, or a :class:`ShardedEstimator` of it over ``mesh``.
 
   Raises:
@@ -104,7 +104,33 @@ def gather(estimator, layout, state: ShardedState) -> EstimatorState:
   return EstimatorState(dict(zip(names, stacked)), (), ())
 
 
-def relayout(opt_state, estimator, mesh, curvature_axis):
+def curvature_plan(estimator, mesh, curvature_axis) -> placement.Plan:
+  """The placement ``mesh=``/``curvature_axis=`` give ``estimator``'s
+  blocks: which device owns each layer (print it to see the split).
+
+  Args:
+    estimator: a :class:`~kfac_jax_lite.FisherEstimator`
+      (``kl.FisherEstimator(collection)`` has the blocks of ``kfac``,
+      ``kfac_adamw`` and ``kfac_optimizer``).
+    mesh: a ``jax.sharding.Mesh``.
+    curvature_axis: its axis name(s) the curvature is spread over.
+
+  Returns:
+    A :class:`~kfac_jax_lite.placement.Plan`.
+
+  Raises:
+    ValueError, TypeError: as for ``mesh=`` and ``curvature_axis=`` of
+      :func:`~kfac_jax_lite.scale_by_kfac`.
+
+  Example:
+    >>> print(kl.curvature_plan(kl.FisherEstimator(c), mesh, "data"))
+  """
+  if curvature_axis is None:
+    placement.check_mesh(mesh, curvature_axis)
+  return place(estimator, mesh, curvature_axis).plan
+
+
+def relayout_curvature(opt_state, estimator, mesh, curvature_axis):
   """``opt_state`` with every :class:`ShardedState` in it moved onto
   ``curvature_axis`` of ``mesh`` (e.g. a checkpoint of 8 devices resumed
   on 4): each is gathered with the plan of its own number of rows and
@@ -122,9 +148,13 @@ def relayout(opt_state, estimator, mesh, curvature_axis):
   Returns:
     ``opt_state`` on the new layout; other leaves are unchanged.
 
+  Raises:
+    ValueError, TypeError: as for ``mesh=`` and ``curvature_axis=`` of
+      :func:`~kfac_jax_lite.scale_by_kfac`.
+
   Example:
-    >>> opt = kl.sharded.relayout(restored, kl.FisherEstimator(c), mesh4,
-    ...                           "data")
+    >>> opt = kl.relayout_curvature(restored, kl.FisherEstimator(c),
+    ...                             mesh4, "data")
   """
   new = place(estimator, mesh, curvature_axis)
 
@@ -160,7 +190,7 @@ class ShardedEstimator:
   """
   estimator: Any
   mesh: Any
-  axis: tuple
+  axis: tuple[Any, ...]
 
   def __getattr__(self, name):
     if name.startswith("__") or name == "estimator":
@@ -186,7 +216,8 @@ class ShardedEstimator:
 
   @property
   def _spec(self):
-    return P(self.axis if len(self.axis) > 1 else self.axis[0])
+    names = list(self.axis)
+    return P(tuple(names) if len(names) > 1 else names[0])
 
   @property
   def sharding(self) -> NamedSharding:
