@@ -10,6 +10,7 @@ devices in a subprocess.
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -340,3 +341,36 @@ def test_fsdp_gpt_example_on_8_devices():
                         out).group(1))
   assert share <= 1.25, out  # The plan's max/mean, printed above it.
   assert err <= 2e-5, out
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_match_one_device(problem, tmp_path):
+  """jax.distributed on loopback (gloo): 2 processes x 4 CPU devices, the
+  curvature over all 8 (``tests/sharded_worker.py``), against one device."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {**os.environ, "PYTHONPATH": str(helpers.ROOT)}
+  out = str(tmp_path / "out")
+  procs = [subprocess.Popen(
+      [sys.executable, "tests/sharded_worker.py", str(i), "2",
+       f"127.0.0.1:{port}", out], cwd=helpers.ROOT, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+  finally:
+    for p in procs:  # Only our own children, by handle.
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-6000:]
+  want, _, _ = _train(problem, MAKERS["kfac"], problem.params)
+  est = kl.FisherEstimator(problem.scan())
+  layout = placement.make_layout(placement.make_plan(est, 8), est)
+  row = sum(w * 4 for w in layout.widths.values())  # float32 rows
+  for i in range(2):
+    with np.load(f"{out}.{i}.npz") as d:
+      got = [d[f"arr_{k}"] for k in range(len(jax.tree.leaves(want)))]
+      assert list(d["bytes"]) == [row] * 4  # One row per local device.
+    helpers.assert_trees_close(got, jax.tree.leaves(want), rtol=1e-5)
