@@ -288,7 +288,26 @@ class ShardedEstimator:
         devices outside the mesh.
     """
     placement.check_devices(self.mesh, params)
-    return self.from_logical(self.estimator.init(params))
+    self.estimator.collection.check_params(params)
+    est, layout = self.estimator, self.layout
+
+    def body():
+      def one(r):
+        rows = layout.pack(r, {i: est.blocks[i].init()
+                               for i in self.plan.layers_of(r)})
+        return {dt: x[None] for dt, x in rows.items()}
+
+      if self.num_devices == 1:
+        return one(0)
+      return lax.switch(lax.axis_index(self.axis),
+                        [functools.partial(one, r)
+                         for r in range(self.num_devices)])
+
+    # Each device builds its own row: the whole curvature is never
+    # materialised on one device.
+    return ShardedState(jax.shard_map(
+        body, mesh=self.mesh, in_specs=(), out_specs=self._spec,
+        check_vma=False)())
 
   def update_curvature(self, state, params=None, batch=None, rng=None, *,
                        stats=None, ema_decay=None) -> ShardedState:
