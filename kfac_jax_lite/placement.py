@@ -35,6 +35,7 @@ from typing import Any, Hashable, Sequence
 
 import jax
 import jax.core  # jax.core.Tracer
+import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_lite import distributed
@@ -243,7 +244,6 @@ class Layout:
 
   def pack(self, device: int, states: dict) -> dict:
     """``{dtype: [L]}``, the row of ``device`` from its layers' states."""
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     parts = {dt: [] for dt in self.widths}
     for i in self.plan.layers_of(device):
       for x in jax.tree.leaves(states[i]):
