@@ -41,6 +41,9 @@ from kfac_jax_lite.one_pass import value_grad_and_stats
 from kfac_jax_lite.optimizer import KFACOptimizerState
 from kfac_jax_lite.optimizer import kfac_optimizer
 from kfac_jax_lite.scanner import scan
+from kfac_jax_lite.sharded import ShardedState
+from kfac_jax_lite.sharded import curvature_plan
+from kfac_jax_lite.sharded import relayout_curvature
 from kfac_jax_lite.tags import register_conv
 from kfac_jax_lite.tags import register_convolution
 from kfac_jax_lite.tags import register_dense
@@ -64,17 +67,20 @@ __all__ = [
     "Layer",
     "LayerCollection",
     "LossSpec",
+    "ShardedState",
     "SkipNonFiniteState",
     "Stats",
     "eval_losses",
     "eval_losses_on_samples",
     "graft",
+    "curvature_plan",
     "kfac",
     "kfac_adamw",
     "kfac_optimizer",
     "kfac_soap",
     "link_parameters",
     "loss_value",
+    "relayout_curvature",
     "register_categorical_predictive_distribution",
     "register_conv",
     "register_conv2d",

@@ -147,6 +147,7 @@ def kfac_adamw(learning_rate: ScalarOrSchedule,
                stats_fraction: float = 0.125, seed: int = 0,
                estimator: Optional[estimator_lib.FisherEstimator] = None,
                stats_position_stride: Optional[int] = None,
+               mesh: Any = None, curvature_axis: Any = None,
                ) -> optax.GradientTransformationExtraArgs:
   """AdamW with K-FAC's per-tensor directions: the transformer recipe.
 
@@ -207,6 +208,10 @@ def kfac_adamw(learning_rate: ScalarOrSchedule,
       :class:`~kfac_jax_lite.FisherEstimator`). None: the estimator's
       default, chosen when lowering (every position on CPU, every 4th
       elsewhere). Set it on the ``estimator`` instead when giving one.
+    mesh: spread the curvature over this ``jax.sharding.Mesh``, with
+      ``curvature_axis`` the axis name(s), as for
+      :func:`~kfac_jax_lite.scale_by_kfac`.
+    curvature_axis: see ``mesh``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -241,7 +246,8 @@ def kfac_adamw(learning_rate: ScalarOrSchedule,
   direction = scale_by_kfac(
       collection, damping=damping, cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,
-      learning_rate=learning_rate, seed=seed, estimator=estimator)
+      learning_rate=learning_rate, seed=seed, estimator=estimator,
+      mesh=mesh, curvature_axis=curvature_axis)
   if stats_fraction < 1.0:
     direction = statistics_from_head(direction, stats_fraction)
   rms = optax.scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False,

@@ -41,6 +41,7 @@ from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import evaluation
 from kfac_jax_lite import linalg
 from kfac_jax_lite import linearization
+from kfac_jax_lite import sharded
 from kfac_jax_lite import transform
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
@@ -171,6 +172,7 @@ def kfac_optimizer(collection: LayerCollection, *,
                    estimation_mode: Optional[str] = None,
                    axis_name: Any = None,
                    estimator: Optional[estimator_lib.FisherEstimator] = None,
+                   mesh: Any = None, curvature_axis: Any = None,
                    ) -> optax.GradientTransformationExtraArgs:
   """The full K-FAC optimizer: adaptive damping, learning rate and momentum.
 
@@ -224,6 +226,10 @@ def kfac_optimizer(collection: LayerCollection, *,
     estimator: a :class:`~kfac_jax_lite.FisherEstimator` of ``collection``
       to use instead (then leave ``estimation_mode`` and ``axis_name``
       unset); its ``exps`` must contain -1.
+    mesh: spread the curvature over this ``jax.sharding.Mesh``, with
+      ``curvature_axis`` the axis name(s), as for
+      :func:`kfac_jax_lite.scale_by_kfac`.
+    curvature_axis: see ``mesh``.
 
   Steps whose gradients, statistics, learning rate or momentum are not
   finite leave the parameters and the whole state untouched (the factors
@@ -270,6 +276,7 @@ def kfac_optimizer(collection: LayerCollection, *,
       axis_name=axis_name,
       stats_fraction=0.25 if estimator is None else None)
   axis_name = est.axis_name
+  est = sharded.place(est, mesh, curvature_axis)
 
   def curvature(damping):
     return curvature_lib.update_curvature(

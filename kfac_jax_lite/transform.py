@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite import estimator as estimator_lib
+from kfac_jax_lite import sharded
 from kfac_jax_lite import trees
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.curvature import CurvatureState
@@ -142,6 +143,8 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
                   seed: int = 0,
                   stagger_inverse_updates: bool = False,
                   estimator: Optional[estimator_lib.FisherEstimator] = None,
+                  mesh: Any = None,
+                  curvature_axis: Any = None,
                   ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with the K-FAC curvature: ``F̂^power g``.
 
@@ -189,6 +192,16 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
       instead of all blocks every ``inverse_update_period`` steps.
     estimator: a :class:`~kfac_jax_lite.FisherEstimator` of ``collection``
       to use instead of building one; its ``exps`` must contain ``power``.
+    mesh: a ``jax.sharding.Mesh`` to spread the curvature over (with
+      ``curvature_axis``; None: every device holds all of it). The state's
+      factors and caches then live each on one device of the axis, are
+      refreshed there, and precondition their layer's gradient there; only
+      the preconditioned update moves (:mod:`kfac_jax_lite.sharded`, the
+      plan: :mod:`kfac_jax_lite.placement`). Run the step under
+      ``jax.jit`` with the batch sharded over the mesh, not with
+      ``axis_name``.
+    curvature_axis: the mesh axis name (or a tuple of names) the curvature
+      is spread over.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -201,7 +214,9 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
   Raises:
     ValueError: for a negative ``learning_rate`` or ``norm_constraint``,
       a period below 1, an unknown ``estimation_mode``, an ``estimator``
-      whose ``exps`` lack ``power``; at ``update``, without ``params``,
+      whose ``exps`` lack ``power``, a ``curvature_axis`` without ``mesh``
+      or not in it, ``mesh`` with ``axis_name``; at ``init``, parameters
+      on devices outside ``mesh``; at ``update``, without ``params``,
       with neither or both of ``batch=`` and ``stats=``, or with params
       that do not match ``collection``.
 
@@ -220,6 +235,7 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
       collection, estimator, power, cov_ema_decay=cov_ema_decay,
       estimation_mode=estimation_mode, axis_name=axis_name,
       stats_sync=stats_sync, distributed_inverses=distributed_inverses)
+  est = sharded.place(est, mesh, curvature_axis)
   curvature = update_curvature(
       est, damping=damping, cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,
@@ -404,6 +420,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          stats_sync: Optional[str] = None,
          distributed_inverses: Optional[bool] = None, seed: int = 0,
          estimator: Optional[estimator_lib.FisherEstimator] = None,
+         mesh: Any = None, curvature_axis: Any = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
 
@@ -446,6 +463,9 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     seed: seed of the sampling key kept in the state.
     estimator: a :class:`~kfac_jax_lite.FisherEstimator` of ``collection``
       for the estimator options without a keyword here.
+    mesh: spread the curvature over this ``jax.sharding.Mesh`` (see
+      :func:`scale_by_kfac`).
+    curvature_axis: the mesh axis name(s) it is spread over.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` of descent updates (add
@@ -482,7 +502,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       estimation_mode=estimation_mode, norm_constraint=norm_constraint,
       learning_rate=learning_rate, axis_name=axis_name,
       stats_sync=stats_sync, distributed_inverses=distributed_inverses,
-      seed=seed, estimator=estimator)]
+      seed=seed, estimator=estimator, mesh=mesh,
+      curvature_axis=curvature_axis)]
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   if not isinstance(momentum, (int, float)) or momentum:

@@ -1,0 +1,376 @@
+"""Sharded curvature: the placement plan and the transforms with ``mesh=``.
+
+4 devices (``helpers.replica_devices``; conftest.py simulates 4 CPU
+devices). The reference is always the same transform without a mesh on one
+device; the sharded runs jit the step over a mesh with the batch sharded,
+the parameters replicated or FSDP-sharded, and the curvature spread over
+the mesh by the plan. ``tests/sharded_worker.py`` checks the same on 8
+devices in a subprocess.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
+
+import kfac_jax_lite as kl
+from kfac_jax_lite import placement
+from kfac_jax_lite import sharded
+from tests import helpers
+from tests import problems
+
+R = 4
+SIZES = (8, 16, 12, 12, 12, 20, 8, 8, 4)  # 8 layers, 3 of them alike
+
+
+@pytest.fixture(name="devices", scope="module", autouse=True)
+def _devices():
+  with helpers.on_replica_devices(R) as devices:
+    yield devices
+
+
+@pytest.fixture(name="problem", scope="module")
+def _problem():
+  return problems.mlp_classifier(SIZES, 32, 5)
+
+
+def _mesh(devices, shape=(R,), names=("d",)):
+  return Mesh(np.array(devices).reshape(shape), names)
+
+
+def _fsdp(params, mesh, axis):
+  """Each leaf sharded over ``axis`` on its first dimension."""
+  return jax.tree.map(lambda x: jax.device_put(
+      x, NamedSharding(mesh, P(axis))), params)
+
+
+MAKERS = {
+    "kfac": lambda c, **kw: kl.kfac(
+        1e-2, c, damping=1e-2, inverse_update_period=3, **kw),
+    "kfac_adamw": lambda c, **kw: kl.kfac_adamw(
+        1e-2, c, damping=1e-2, inverse_update_period=3, **kw),
+    "kfac_optimizer": lambda c, **kw: kl.kfac_optimizer(
+        c, initial_damping=1e-1, inverse_update_period=3,
+        damping_adaptation_interval=2, **kw),
+}
+
+
+def _train(problem, make, params, batch_sharding=None, param_shardings=None,
+           **kw):
+  """5 steps of ``make(collection, **kw)``; the final params and state."""
+  c = problem.scan()
+  tx = make(c, **kw)
+  state = jax.jit(tx.init)(params)
+
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.grad(problem.loss)(params, batch)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    new = jax.tree.map(lambda p, u: p + u, params, updates)
+    if param_shardings is not None:
+      new = jax.lax.with_sharding_constraint(new, param_shardings)
+    return new, state
+
+  for b in problem.batches:
+    if batch_sharding is not None:
+      b = jax.device_put(b, batch_sharding)
+    params, state = step(params, state, b)
+  return params, state, tx
+
+
+def _curvature(state):
+  """The first curvature state (the estimator's) inside an optax state."""
+  return [s for s in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, kl.CurvatureState))
+          if isinstance(s, kl.CurvatureState)][0].estimator
+
+
+def _logical_factors(tx_est, state):
+  est_state = tx_est.logical(state) if isinstance(
+      state, sharded.ShardedState) else state
+  return [(b.a, b.g) for b in est_state.blocks]
+
+
+@pytest.fixture(name="reference", scope="module")
+def _reference(problem):
+  return {}
+
+
+@pytest.mark.parametrize("name,layout", [
+    ("kfac", "fsdp"),
+    pytest.param("kfac", "replicated", marks=pytest.mark.slow),
+    pytest.param("kfac_adamw", "fsdp", marks=pytest.mark.slow),
+    pytest.param("kfac_adamw", "replicated", marks=pytest.mark.slow),
+    pytest.param("kfac_optimizer", "replicated", marks=pytest.mark.slow),
+    pytest.param("kfac_optimizer", "fsdp", marks=pytest.mark.slow),
+    pytest.param("kfac", "2d", marks=pytest.mark.slow)])
+def test_sharded_steps_match_one_device(problem, devices, reference, name,
+                                        layout):
+  make = MAKERS[name]
+  if name not in reference:
+    reference[name] = _train(problem, make, problem.params)
+  want_params, want_state, _ = reference[name]
+  if layout == "2d":  # Batch over "data", params over "model", curvature
+    mesh = _mesh(devices, (2, 2), ("data", "model"))  # over both.
+    batch, fsdp, axis = P("data"), "model", ("data", "model")
+  else:
+    mesh = _mesh(devices)
+    batch, fsdp, axis = P("d"), "d", "d"
+  params, shardings = problem.params, None
+  if layout != "replicated":
+    params = _fsdp(params, mesh, fsdp)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+  got_params, got_state, tx = _train(
+      problem, make, params, NamedSharding(mesh, batch), shardings,
+      mesh=mesh, curvature_axis=axis)
+  helpers.assert_trees_close(got_params, want_params, rtol=1e-5)
+  est = _layout_of(problem.scan(), mesh, axis)
+  got = _curvature(got_state)
+  assert isinstance(got, sharded.ShardedState)
+  helpers.assert_trees_close(_logical_factors(est, got),
+                             _logical_factors(None, _curvature(want_state)),
+                             rtol=1e-5)
+  if layout != "replicated":
+    for x, s in zip(jax.tree.leaves(got_params), jax.tree.leaves(shardings)):
+      assert x.sharding.is_equivalent_to(s, x.ndim)
+
+
+def _layout_of(collection, mesh, axis):
+  """A sharded estimator with the transforms' layout (the plan depends on
+  the blocks only), to read their states with."""
+  return sharded.place(kl.FisherEstimator(collection), mesh, axis)
+
+
+# ---- the plan ---------------------------------------------------------------
+def test_plan_is_longest_first_and_packs_each_device_row(problem):
+  est = kl.FisherEstimator(problem.scan())
+  plan = placement.make_plan(est, 3, ("d",))
+  nbytes = [u.nbytes for u in plan.units]
+  # Each block's bytes: its factors, EMA weights and cached inverses.
+  shapes = [jax.eval_shape(b.init) for b in est.blocks]
+  assert nbytes == [sum(x.size * 4 for x in jax.tree.leaves(s))
+                    for s in shapes]
+  # Greedy longest first, by hand: the largest block to the least loaded
+  # device (ties: lowest device, earlier layer).
+  load, want = [0, 0, 0], [None] * len(nbytes)
+  for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+    d = min(range(3), key=lambda d: (load[d], d))
+    want[i], load[d] = d, load[d] + nbytes[i]
+  assert plan.owners == tuple(want)
+  assert plan.loads() == load
+  assert max(load) <= sum(load) / 3 + max(nbytes)  # Graham's bound.
+  text = plan.describe()
+  assert repr(plan) == text and "device 2:" in text
+  for u in plan.units:
+    assert u.name in text
+  # Packing a device's row and unpacking it gives its blocks back.
+  layout = placement.make_layout(plan, est)
+  states = {i: jax.tree.map(lambda x, i=i: x + i, s) for i, s in
+            enumerate(est.per_layer(est.init(problem.params)))}
+  for r in range(3):
+    row = layout.pack(r, states)
+    assert {k: v.shape for k, v in row.items()} == {
+        k: (w,) for k, w in layout.widths.items()}
+    back = layout.unpack(r, row)
+    assert sorted(back) == list(plan.layers_of(r))
+    for i, s in back.items():
+      for x, y in zip(jax.tree.leaves(s), jax.tree.leaves(states[i])):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_each_device_holds_its_share_of_the_curvature(problem, devices):
+  c = problem.scan()
+  mesh = _mesh(devices)
+  tx = kl.kfac(1e-2, c, mesh=mesh, curvature_axis="d")
+  state = _curvature(jax.jit(tx.init)(problem.params))
+  plan = _layout_of(c, mesh, "d").plan
+  total = sum(u.nbytes for u in plan.units)
+  per_device = {d: 0 for d in devices}
+  for x in state.rows.values():
+    assert x.sharding.spec == P("d")
+    for shard in x.addressable_shards:
+      assert shard.data.shape[0] == 1  # One row: its own blocks only.
+      per_device[shard.device] += shard.data.nbytes
+  assert max(per_device.values()) <= 1.15 * total / R, (
+      per_device, total, plan.describe())
+
+
+def test_refresh_and_products_gather_no_curvature(problem, devices):
+  """With replicated parameters, the compiled step has no all-gather: the
+  curvature never moves; only the statistics and the update are reduced."""
+  c = problem.scan()
+  mesh = _mesh(devices)
+  tx = kl.kfac(1e-2, c, inverse_update_period=1, mesh=mesh,
+               curvature_axis="d")
+  state = jax.jit(tx.init)(problem.params)
+
+  def step(params, state, batch):
+    grads = jax.grad(problem.loss)(params, batch)
+    return tx.update(grads, state, params, batch=batch)
+
+  batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
+  hlo = jax.jit(step).lower(problem.params, state, batch).compile().as_text()
+  assert "all-gather" not in hlo
+  assert "all-reduce" in hlo
+
+
+# ---- bad input --------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(curvature_axis="d"), r"curvature_axis='d' needs mesh="),
+    (dict(mesh="mesh", curvature_axis="d"), r"mesh='mesh' is a str"),
+    (dict(mesh=True), r"mesh= is given without curvature_axis"),
+    (dict(mesh=True, curvature_axis="x"),
+     r"curvature_axis='x': 'x' is not an axis of the mesh, whose axes are "
+     r"\['d'\]"),
+    (dict(mesh=True, curvature_axis=("d", "d")), r"names an axis twice"),
+    (dict(mesh=True, curvature_axis="d", axis_name="d"),
+     r"axis_name='d' is given with mesh="),
+])
+def test_bad_mesh_arguments(problem, devices, kwargs, match):
+  if kwargs.get("mesh") is True:
+    kwargs["mesh"] = _mesh(devices)
+  for make in (lambda **kw: kl.kfac(1e-2, problem.scan(), **kw),
+               lambda **kw: kl.kfac_optimizer(problem.scan(), **kw)):
+    with pytest.raises((ValueError, TypeError), match=match):
+      make(**kwargs)
+
+
+def test_params_off_the_mesh_are_reported(problem, devices):
+  mesh = _mesh(devices[:2], (2,))
+  params = jax.device_put(problem.params, devices[3])
+  tx = kl.kfac(1e-2, problem.scan(), mesh=mesh, curvature_axis="d")
+  with pytest.raises(ValueError, match=r"params\['layer0'\]\['b'\] lies on "
+                     r"devices \[\d+\], but mesh= has devices"):
+    tx.init(params)
+
+
+def test_a_state_of_another_layout_is_reported(problem, devices):
+  c = problem.scan()
+  tx = kl.scale_by_kfac(c, mesh=_mesh(devices), curvature_axis="d")
+  plain = kl.scale_by_kfac(c).init(problem.params)
+  grads = jax.tree.map(jnp.zeros_like, problem.params)
+  with pytest.raises(ValueError, match="not the state of this sharded"):
+    tx.update(grads, plain, problem.params, batch=problem.batch)
+
+
+# ---- checkpoints ------------------------------------------------------------
+def _stepper(problem, tx, mesh):
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.grad(problem.loss)(params, batch)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    return jax.tree.map(lambda p, u: p + u, params, updates), state
+
+  def run(params, state, batches):
+    for b in batches:
+      params, state = step(params, state, jax.device_put(
+          b, NamedSharding(mesh, P("d"))))
+    return params, state
+  return run
+
+
+def _target(tree, sharding=None):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding or x.sharding), tree)
+
+
+def test_checkpoint_resumes_bitwise_and_onto_another_mesh(problem, devices,
+                                                          tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  c = problem.scan()
+  mesh, small = _mesh(devices), _mesh(devices[:2], (2,))
+  tx = kl.kfac(1e-2, c, damping=1e-2, inverse_update_period=2, mesh=mesh,
+               curvature_axis="d")
+  run = _stepper(problem, tx, mesh)
+  params, state = run(problem.params, jax.jit(tx.init)(problem.params),
+                      problem.batches[:2])
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "ckpt", {"params": params, "opt": state})
+  ckpt.wait_until_finished()
+  want = run(params, state, problem.batches[2:])
+  back = ckpt.restore(tmp_path / "ckpt",
+                      _target({"params": params, "opt": state}))
+  for x, y in zip(jax.tree.leaves(back["opt"]), jax.tree.leaves(state)):
+    assert x.sharding == y.sharding
+    np.testing.assert_array_equal(x, y)
+  got = run(back["params"], back["opt"], problem.batches[2:])
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(x, y)
+  # The same checkpoint on 2 devices: rows restored onto the small mesh,
+  # then each block moved to its owner under the 2-device plan.
+  est = kl.FisherEstimator(c)
+  onto = ckpt.restore(tmp_path / "ckpt", _target(
+      {"params": params, "opt": state}, NamedSharding(small, P())))
+  opt = kl.relayout_curvature(onto["opt"], est, small, "d")
+  rows = _curvature(opt).rows["float32"]
+  assert rows.shape[0] == 2 and rows.sharding.spec == P("d")
+  old, new = _layout_of(c, mesh, "d"), _layout_of(c, small, "d")
+  for x, y in zip(jax.tree.leaves(new.logical(_curvature(opt))),
+                  jax.tree.leaves(old.logical(_curvature(state)))):
+    np.testing.assert_array_equal(x, y)  # The blocks moved bit for bit.
+  tx2 = kl.kfac(1e-2, c, damping=1e-2, inverse_update_period=2, mesh=small,
+                curvature_axis="d")
+  moved = _stepper(problem, tx2, small)(onto["params"], opt,
+                                        problem.batches[2:])
+  helpers.assert_trees_close(moved[0], want[0], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_gpt_example_on_8_devices():
+  """The example in a process of its own with 8 simulated devices: the
+  sharded run against one device, and each device's share."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  run = subprocess.run(
+      [sys.executable, "examples/fsdp_gpt.py", "--compare", "--width", "32",
+       "--heads", "2", "--blocks", "2", "--context", "8", "--vocab", "32",
+       "--steps", "5"], cwd=helpers.ROOT, env={**env, "PYTHONPATH": str(
+           helpers.ROOT)}, capture_output=True, text=True, timeout=1200,
+      check=False)
+  assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+  out = run.stdout
+  assert "8 cpu devices" in out and "device 7:" in out, out
+  share = float(re.search(r"\(([\d.]+) x total / devices\)", out).group(1))
+  err = float(re.search(r"largest relative difference ([\d.e+-]+)",
+                        out).group(1))
+  assert share <= 1.25, out  # The plan's max/mean, printed above it.
+  assert err <= 2e-5, out
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_match_one_device(problem, tmp_path):
+  """jax.distributed on loopback (gloo): 2 processes x 4 CPU devices, the
+  curvature over all 8 (``tests/sharded_worker.py``), against one device."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {**os.environ, "PYTHONPATH": str(helpers.ROOT)}
+  out = str(tmp_path / "out")
+  procs = [subprocess.Popen(
+      [sys.executable, "tests/sharded_worker.py", str(i), "2",
+       f"127.0.0.1:{port}", out], cwd=helpers.ROOT, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+  finally:
+    for p in procs:  # Only our own children, by handle.
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-6000:]
+  want, _, _ = _train(problem, MAKERS["kfac"], problem.params)
+  est = kl.FisherEstimator(problem.scan())
+  layout = placement.make_layout(placement.make_plan(est, 8), est)
+  row = sum(w * 4 for w in layout.widths.values())  # float32 rows
+  for i in range(2):
+    with np.load(f"{out}.{i}.npz") as d:
+      got = [d[f"arr_{k}"] for k in range(len(jax.tree.leaves(want)))]
+      assert list(d["bytes"]) == [row] * 4  # One row per local device.
+    helpers.assert_trees_close(got, jax.tree.leaves(want), rtol=1e-5)
