@@ -153,8 +153,8 @@ def summary(losses, times, window, target=None):
   s = smoothed(losses, window)
   final = float(s[-1]) if np.all(np.isfinite(losses)) else math.inf
   diverged = not math.isfinite(final) or final > losses[0]
-  out = {"final": final, "diverged": diverged, "seconds": float(times[-1]),
-         "step": None, "at_s": None}
+  out = {"final": final, "first": float(losses[0]), "diverged": diverged,
+         "seconds": float(times[-1]), "step": None, "at_s": None}
   if target is not None:
     hit = np.nonzero(s <= target)[0]
     if len(hit):
