@@ -433,8 +433,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   g`, is at most ``C``. Without it, ``gᵀF̂⁻¹g`` grows by orders of
   magnitude between refreshes of the damped inverses (the parameters move
   into directions the stale, lightly damped inverse scales by up to
-  ``1/λ``) and learning rates of ``1e-2`` and up diverge on the examples'
-  models; ``norm_constraint=None`` turns it off. Where the clipped steps
+  ``1/λ``) and a learning rate of ``1e-2`` diverges within 30 steps on
+  the examples' models; ``norm_constraint=None`` turns it off. Where the clipped steps
   are too short to keep up with Adam (docs/guides/tuning.md has the
   models and numbers), raise ``C`` or use :func:`kfac_optimizer`, which
   adapts the damping, learning rate and momentum. It is
