@@ -114,12 +114,20 @@ def check_state(state, fields, fn):
         "and pass the state that tx.update returned.")
 
 
+# ``kfac``'s default KL-clipping bound ``C`` (``norm_constraint``): the
+# ``kl_clip`` default of the PyTorch K-FAC implementations and ACKTR's
+# trust radius. Why ``kfac`` clips by default: docs/guides/tuning.md.
+DEFAULT_NORM_CONSTRAINT = 1e-3
+
+
 def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
   """KL clipping (Ba, Grosse & Martens 2017, sec. 5).
 
   .. math:: \\nu = \\min\\left(1, \\sqrt{\\frac{C}{\\alpha^2\\, g^T \\hat F^{-1} g}}
     \\right)
 
+  ``α²ν²gᵀF̂⁻¹g`` is the step's KL under the quadratic model (TF K-FAC's
+  ``norm_constraint``; :func:`kfac` uses ``C = 1e-3`` by default).
   Returns ``ν`` (1 when the constraint is inactive or ``gᵀF̂⁻¹g <= 0``).
   """
   sq = trees.inner_products((direction, grads), ((0, 1),))[0]
@@ -175,7 +183,8 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
     estimation_mode: ``gradients`` (default), ``empirical``,
       ``curvature_prop``, ``curvature_prop_GGN``, ``exact``, ``exact_GGN``.
     power: the exponent ``p`` (``-1`` natural gradient, ``-0.5``).
-    norm_constraint: ``C`` of KL clipping, or None.
+    norm_constraint: ``C`` of KL clipping, or None (the default here;
+      :func:`kfac` clips at ``1e-3`` by default).
     learning_rate: the learning rate the direction will be scaled by: used
       by KL clipping, and a non-finite value skips the step (``kfac`` passes
       its own).
@@ -252,6 +261,7 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
     # as params, the argument a caller most likely got wrong.
     est.collection.check_params(params)
     lr = value_at(learning_rate, state.count)
+    bound = value_at(norm_constraint, state.count)
     inputs = est.product_inputs(state.estimator, updates, "updates")
     # The curvature checks the gradients as the product reads them: one
     # reader per gradient leaf (docs/performance.md#one-read-per-gradient).
@@ -263,7 +273,7 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
     direction = est.multiply_matpower(state.estimator, updates, power,
                                       inputs=inputs)
     if norm_constraint is not None:
-      nu = kl_clip_coefficient(direction, updates, lr, norm_constraint)
+      nu = kl_clip_coefficient(direction, updates, lr, bound)
       direction = jax.tree.map(lambda d: (nu * d).astype(d.dtype), direction)
     return direction, state
 
@@ -416,7 +426,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          cov_ema_decay: Optional[float] = None,
          cov_update_period: int = 1, inverse_update_period: int = 5,
          estimation_mode: Optional[str] = None,
-         norm_constraint: Optional[float] = None, axis_name: Any = None,
+         norm_constraint: Optional[float] = DEFAULT_NORM_CONSTRAINT,
+         axis_name: Any = None,
          stats_sync: Optional[str] = None,
          distributed_inverses: Optional[bool] = None, seed: int = 0,
          estimator: Optional[estimator_lib.FisherEstimator] = None,
@@ -429,7 +440,21 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     \\Delta\\theta = -\\alpha\\, v
 
   (decoupled weight decay ``η`` after preconditioning, as TF K-FAC's
-  ``use_weight_decay``; ``ν`` the KL-clipping coefficient). It is
+  ``use_weight_decay``). ``ν`` is the KL-clipping coefficient (Ba, Grosse &
+  Martens 2017, sec. 5; TF K-FAC's ``norm_constraint``), on by default:
+
+  .. math:: \\nu = \\min\\left(1, \\sqrt{C / (\\alpha^2\\, g^T \\hat F^{-1}
+    g)}\\right),\\qquad C = 10^{-3}
+
+  so that the step's predicted KL, :math:`\\alpha^2 \\nu^2 g^T\\hat F^{-1}
+  g`, is at most ``C``. Without it, ``gᵀF̂⁻¹g`` grows by orders of
+  magnitude between refreshes of the damped inverses (the parameters move
+  into directions the stale, lightly damped inverse scales by up to
+  ``1/λ``) and a learning rate of ``1e-2`` diverges within 30 steps on
+  the examples' models; ``norm_constraint=None`` turns it off. Where the clipped steps
+  are too short to keep up with Adam (docs/guides/tuning.md has the
+  models and numbers), raise ``C`` or use :func:`kfac_optimizer`, which
+  adapts the damping, learning rate and momentum. It is
 
   ```python
   skip_nonfinite(optax.chain(
@@ -455,7 +480,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       steps.
     estimation_mode: how the statistics sample the Fisher (see
       :func:`scale_by_kfac`).
-    norm_constraint: ``C`` of KL clipping, or None.
+    norm_constraint: ``C`` of KL clipping (default ``1e-3``), or None for
+      no clipping.
     axis_name: the ``pmap``/``shard_map`` axis of data parallelism.
     stats_sync: when the factors are averaged over ``axis_name``.
     distributed_inverses: split the refresh across the devices of
@@ -474,8 +500,10 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     ``stats=``.
 
   Raises:
-    ValueError: for a negative ``momentum`` or ``weight_decay``, and as
-      :func:`scale_by_kfac`.
+    ValueError: for a negative ``momentum``, ``weight_decay`` or
+      ``norm_constraint``, and as :func:`scale_by_kfac`.
+    TypeError: for a ``norm_constraint`` that is not a number, a scalar
+      array or a schedule.
 
   Example:
     >>> collection = kl.scan(loss_fn, params, batch)

@@ -159,7 +159,10 @@ def test_kfac_trains_faster_than_sgd_on_a_few_steps(problem):
     return helpers.classifier_loss(p, batch)
 
   start = helpers.classifier_loss(params, batch)
-  kfac_loss = run(kl.kfac(0.3, c, damping=1e-2, momentum=0.0), True)
+  # The preconditioner's own speed: no KL clipping (kfac's default bound
+  # is for robustness at any learning rate, not speed at a tuned one).
+  kfac_loss = run(kl.kfac(0.3, c, damping=1e-2, momentum=0.0,
+                          norm_constraint=None), True)
   sgd_loss = run(optax.sgd(0.3), False)
   assert kfac_loss < 0.5 * start
   assert kfac_loss < sgd_loss
@@ -222,6 +225,58 @@ def test_norm_constraint_clips_to_the_kl_bound(problem):
       np.testing.assert_allclose(lr ** 2 * nu ** 2 * sq, bound, rtol=1e-4)
     else:
       assert nu == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("lr", [1e-3, 0.5])
+def test_kfac_clips_at_its_default_kl_bound(problem, lr):
+  """``kfac``'s default: the unclipped update times ``ν = min(1,
+  sqrt(1e-3 / (α² gᵀF̂⁻¹g)))``, ``gᵀF̂⁻¹g`` from the unclipped update
+  ``-α F̂⁻¹g`` (momentum 0)."""
+  params, batches, c = problem
+  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+
+  def update(**kw):
+    tx = kl.kfac(lr, c, momentum=0.0, damping=1e-2,
+                 estimation_mode="empirical", **kw)
+    return jax.jit(lambda s: tx.update(grads, s, params, batch=batches[0]))(
+        tx.init(params))[0]
+
+  free = update(norm_constraint=None)
+  sq = -float(optax.tree.vdot(free, grads)) / lr   # gᵀF̂⁻¹g
+  nu = min(1.0, np.sqrt(1e-3 / (lr ** 2 * sq)))
+  assert (nu < 1.0) == (lr == 0.5)  # one case clipped, one not.
+  helpers.assert_trees_close(
+      update(), jax.tree.map(lambda u: nu * u, free), 1e-5)
+  helpers.assert_trees_close(update(norm_constraint=1e-3), update(), 0.0)
+
+
+def test_norm_constraint_schedule_is_read_at_the_step_count(problem):
+  params, batches, c = problem
+  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+  schedule = lambda count: 1e-4 * (count + 1.0)  # noqa: E731
+
+  def updates(bound):
+    tx = kl.kfac(0.5, c, momentum=0.0, damping=1e-2, norm_constraint=bound)
+    step = jax.jit(lambda s: tx.update(grads, s, params, batch=batches[0]))
+    state, out = tx.init(params), []
+    for _ in range(2):
+      u, state = step(state)
+      out.append(u)
+    return out
+
+  got = updates(schedule)
+  for count, u in enumerate(got):
+    want = updates(schedule(count))[count]
+    helpers.assert_trees_close(u, want, 1e-6)
+
+
+@pytest.mark.parametrize("bound,error,match", [
+    (-1.0, ValueError, r"norm_constraint=-1\.0 must be a number >= 0"),
+    ("1e-3", TypeError, r"norm_constraint='1e-3' is a str"),
+])
+def test_kfac_rejects_a_bad_norm_constraint(problem, bound, error, match):
+  with pytest.raises(error, match=match):
+    kl.kfac(1e-2, problem[2], norm_constraint=bound)
 
 
 def test_damping_schedule_and_weight_decay(problem):

@@ -1,0 +1,56 @@
+"""A short form of ``benchmarks/kfac_defaults.py``: ``kl.kfac(lr,
+collection)`` at its defaults over the learning rates 1e-3, 1e-2, 1e-1
+against the best ``optax.adam`` of 3e-3, 1e-2, 3e-2, on two of the
+examples' models (smaller batches, fewer steps). No timing is asserted."""
+
+import importlib.util
+import math
+import sys
+import types
+
+import pytest
+
+from tests import helpers
+
+pytestmark = pytest.mark.slow
+
+# The best K-FAC learning rate's final loss is at most this many times the
+# best Adam's, after STEPS steps (benchmarks/kfac_defaults.py's measure:
+# the mean of the last WINDOW batch losses). K-FAC does not reach Adam's
+# loss here: on the Equinox autoencoder its best is 1.8 times Adam's
+# (docs/guides/tuning.md).
+MARGIN = {"equinox_cnn": 2.0, "flax_cnn": 4.0}
+STEPS, WINDOW, BATCH = 30, 10, 64
+# Not met yet at the defaults: at batch 64 the flax CNN's learning rates
+# 1e-2 and 1e-1 end above their first loss (6.03 from 2.27) even with KL
+# clipping (docs/guides/tuning.md).
+KNOWN_FAILURES = {"flax_cnn": "kfac at 1e-2 and 1e-1 diverges at batch 64"}
+
+
+def _benchmark():
+  path = helpers.ROOT / "benchmarks" / "kfac_defaults.py"
+  spec = importlib.util.spec_from_file_location("kfac_defaults_bench", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(m, marks=pytest.mark.xfail(
+        reason=KNOWN_FAILURES[m], strict=True)) if m in KNOWN_FAILURES
+    else m for m in sorted(MARGIN)])
+def test_kfac_defaults_do_not_diverge_and_approach_adam(model):
+  pytest.importorskip("equinox" if model == "equinox_cnn" else "flax")
+  bench = _benchmark()
+  args = types.SimpleNamespace(
+      steps=STEPS, batch_size=BATCH, seed=0, window=WINDOW,
+      adam_lrs=[3e-3, 1e-2, 3e-2], kfac_lrs=[1e-3, 1e-2, 1e-1])
+  _, best, adam, kfac = bench.run_model(model, args, {})
+  for lr, r in kfac.items():
+    # Diverged: a non-finite loss, or a final loss above the first one.
+    assert not r["diverged"], (model, lr, r)
+    assert math.isfinite(r["final"]) and r["final"] < r["first"], (lr, r)
+  best_kfac = min(r["final"] for r in kfac.values())
+  assert best_kfac <= MARGIN[model] * adam[best]["final"], (
+      model, best_kfac, adam[best]["final"])
