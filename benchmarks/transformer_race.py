@@ -11,9 +11,11 @@ each optimizer family runs at each rate of its grid:
   position table, head, biases, LayerNorms), as Jordan et al. run it;
   both parts with AdamW's decoupled decay 0.01;
 * PSGD Kron: ``psgd_jax.kron`` (Li 2018; the ``psgd-jax`` package) at
-  ``--psgd-lrs`` with ``b1=0.9`` and decay 0.01, when it imports (a test
-  extra at most, never a dependency of the library); when it does not
-  import or its first step fails, the race says so and goes on without it;
+  ``--psgd-lrs`` with ``b1=0.9`` and decay 0.01, when it imports (installed
+  by hand for the race, never a dependency of the library; its 0.2.9
+  imports ``optax._src.clipping``, which optax 0.2.8 moved: the race
+  aliases that module and prints that it did); when it does not import or
+  a step fails, the race says so and goes on without it;
 * K-FAC: ``kfac_jax_lite.<--kfac-transform>(lr, collection)`` at
   ``--kfac-lrs``, every other setting the transform's default
   (``kfac_adamw`` unless named), given the whole batch as ``batch=``.
@@ -52,7 +54,6 @@ sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
 sys.path.insert(0, _HERE)
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax_lite  # noqa: E402
