@@ -16,9 +16,10 @@ each optimizer family runs at each rate of its grid:
   imports ``optax._src.clipping``, which optax 0.2.8 moved: the race
   aliases that module and prints that it did); when it does not import or
   a step fails, the race says so and goes on without it;
-* K-FAC: ``kfac_jax_lite.<--kfac-transform>(lr, collection)`` at
-  ``--kfac-lrs``, every other setting the transform's default
-  (``kfac_adamw`` unless named), given the whole batch as ``batch=``.
+* K-FAC: ``kfac_jax_lite.<name>(lr, collection)`` for each name of
+  ``--kfac-transform`` (``kfac_adamw`` unless named) at ``--kfac-lrs``,
+  every other setting the transform's default, given the whole batch as
+  ``batch=``.
 
 Every run starts from the same initialisation and sees the same batches;
 the runs alternate in chunks of ``--eval-every`` steps in one process, so
@@ -37,13 +38,14 @@ Run::
   python benchmarks/transformer_race.py --smoke       # tiny, ~1 min
   python benchmarks/transformer_race.py --long 600    # ~1 h on 2 CPUs
   python benchmarks/transformer_race.py               # 600 and 2000 steps
-  python benchmarks/transformer_race.py --kfac-transform kfac_adamw \\
-      --models equinox --kfac-lrs 2e-3,3e-3
+  python benchmarks/transformer_race.py --models equinox \\
+      --kfac-transform kfac_adamw,OTHER --kfac-lrs 2e-3,3e-3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -88,11 +90,15 @@ def parse_args(argv: Optional[Sequence[str]]):
                  help="the rate of Muon's Adam part")
   p.add_argument("--psgd-lrs", default="1e-3,3e-3")
   p.add_argument("--kfac-transform", default="kfac_adamw",
-                 help="a kfac_jax_lite transform taking (lr, collection)")
+                 help="kfac_jax_lite transforms taking (lr, collection), "
+                 "comma-separated; each races at every --kfac-lrs rate")
   p.add_argument("--kfac-lrs", default="2e-3")
   p.add_argument("--smoke", action="store_true",
                  help="a tiny model for 10 and 20 steps, one rate each")
   p.add_argument("--markdown", default="", help="write the tables here")
+  p.add_argument("--curves", default="",
+                 help="JSON of every run's curve, rewritten after every "
+                 "chunk (what a stopped race leaves)")
   p.add_argument("--plot", default="transformer_race.png",
                  help="PNG path ('' off)")
   args, rest = p.parse_known_args(argv)
@@ -107,9 +113,11 @@ def parse_args(argv: Optional[Sequence[str]]):
       p.error(f"--models: unknown model {m!r}; pick from {sorted(MODELS)}")
   if not 1 <= args.short <= args.long:
     p.error(f"need 1 <= --short ({args.short}) <= --long ({args.long})")
-  if not callable(getattr(kfac_jax_lite, args.kfac_transform, None)):
-    p.error(f"--kfac-transform {args.kfac_transform!r} is not a function "
-            "of kfac_jax_lite; name one such as kfac_adamw")
+  args.kfac_transform = args.kfac_transform.split(",")
+  for name in args.kfac_transform:
+    if not callable(getattr(kfac_jax_lite, name, None)):
+      p.error(f"--kfac-transform {name!r} is not a function of "
+              "kfac_jax_lite; name one such as kfac_adamw")
   for name in ("adam_lrs", "muon_lrs", "psgd_lrs", "kfac_lrs"):
     setattr(args, name, [float(x) for x in getattr(args, name).split(",")
                          if x])
@@ -185,19 +193,34 @@ def optimizers(args, model: str, collection) -> list:
           for lr in args.muon_lrs]
   out += [("PSGD Kron", f"psgd {lr:g}", psgd_kron(lr), None)
           for lr in args.psgd_lrs]
-  make = getattr(kfac_jax_lite, args.kfac_transform)
-  out += [(args.kfac_transform, f"{args.kfac_transform} {lr:g}",
-           make(lr, collection), 1.0) for lr in args.kfac_lrs]
+  for name in args.kfac_transform:
+    make = getattr(kfac_jax_lite, name)
+    out += [(name, f"{name} {lr:g}", make(lr, collection), 1.0)
+            for lr in args.kfac_lrs]
   return out
 
 
 # ---------------------------------------------------------------- race ----
 
 
-def race(runs, batch_fn, eval_fn, steps: int, every: int) -> dict:
+def save_curves(path: str, model: str, runs) -> None:
+  """Adds ``model``'s runs (curve, step seconds) to the JSON at ``path``."""
+  old = {}
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      old = json.load(f)
+  old[model] = {r.name: dict(curve=r.curve, step_seconds=r.step_seconds,
+                             load=os.getloadavg()) for r in runs}
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(old, f)
+
+
+def race(runs, batch_fn, eval_fn, steps: int, every: int,
+         save=lambda: None) -> dict:
   """``char_gpt.race`` that survives a run failing: alternates the runs in
-  chunks of ``every`` steps up to ``steps``; a run whose step raises drops
-  out. Returns ``{name: error}`` of the runs that failed."""
+  chunks of ``every`` steps up to ``steps``, calling ``save()`` after each
+  round; a run whose step raises drops out. Returns ``{name: error}`` of
+  the runs that failed."""
   failed = {}
   for r in runs:
     r.curve.append((0, 0.0, eval_fn(r.params)))
@@ -212,6 +235,7 @@ def race(runs, batch_fn, eval_fn, steps: int, every: int) -> dict:
         active.remove(r)
         continue
       r.curve.append((r.steps, r.seconds, eval_fn(r.params)))
+    save()
     if active:
       print(f"{time.perf_counter() - t0:6.0f}s "
             + char_gpt.progress(active, steps), flush=True)
@@ -238,8 +262,10 @@ def race_model(args, gpt, model: str) -> dict:
     run = char_gpt.Run(name, s["params"], state, step)
     run.family = family
     runs.append(run)
+  save = ((lambda: save_curves(args.curves, model, runs)) if args.curves
+          else (lambda: None))
   skipped.update(race(runs, s["batch_fn"], s["eval_fn"], args.long,
-                      gpt.eval_every))
+                      gpt.eval_every, save))
   runs = [r for r in runs if r.name not in skipped]
   return dict(model=model, params=n, generic=generic, runs=runs,
               skipped=skipped, **summarise(args, runs))
