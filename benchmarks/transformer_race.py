@@ -99,6 +99,9 @@ def parse_args(argv: Optional[Sequence[str]]):
   p.add_argument("--curves", default="",
                  help="JSON of every run's curve, rewritten after every "
                  "chunk (what a stopped race leaves)")
+  p.add_argument("--report", default="",
+                 help="no race: the tables and plot of a --curves JSON "
+                 "(of a stopped race too: --short/--long at steps it made)")
   p.add_argument("--plot", default="transformer_race.png",
                  help="PNG path ('' off)")
   args, rest = p.parse_known_args(argv)
@@ -282,7 +285,8 @@ def summarise(args, runs) -> dict:
   for n in marks:
     best = min(adams, key=lambda a, n=n: gpt_race.loss_at_step(a, n))
     targets[n] = dict(adam=best.name, loss=gpt_race.loss_at_step(best, n),
-                      seconds=gpt_race.seconds_at_step(best, n))
+                      seconds=gpt_race.seconds_at_step(best, n),
+                      first_call=best.first_call)
   families = {}
   for r in runs:
     families.setdefault(r.family, []).append(r)
@@ -295,7 +299,9 @@ def summarise(args, runs) -> dict:
       best[family, n] = dict(
           run=r, seconds=sec,
           steps=None if r is None else char_gpt.steps_to_loss(r, t["loss"]),
-          ratio=None if sec is None else sec / t["seconds"])
+          ratio=None if sec is None else sec / t["seconds"],
+          warm=None if sec is None else (sec - r.first_call) / (
+              t["seconds"] - t["first_call"]))
   fastest = {n: min((f for f in families if best[f, n]["seconds"]),
                     key=lambda f, n=n: best[f, n]["seconds"], default=None)
              for n in marks}
@@ -306,22 +312,23 @@ def summarise(args, runs) -> dict:
 def _cell(b, adam_steps: int, bold: bool) -> str:
   """Steps (and their share of AdamW's), seconds and ratio to AdamW's."""
   if b["seconds"] is None:
-    return "not reached | | "
+    return "not reached | | | "
   ratio = f"**{b['ratio']:.2f}×**" if bold else f"{b['ratio']:.2f}×"
   return (f"{b['steps']} ({b['steps'] / adam_steps:.2f}×) | "
-          f"{b['seconds']:.1f} | {ratio}")
+          f"{b['seconds']:.1f} | {ratio} | {b['warm']:.2f}×")
 
 
 def markdown(args, res: dict) -> str:
   """The race table of one model, then every run's numbers."""
   marks = sorted(res["targets"])
   head = "| optimizer | " + " | ".join(
-      f"steps to {n}-step loss | seconds | ratio" for n in marks) + " |"
-  lines = [f"**{res['model']}** ({res['params'] / 1e6:.2f}M parameters); "
+      f"steps to {n}-step loss | seconds | ratio | ratio, first calls "
+      "left out" for n in marks) + " |"
+  lines = [f"**{res['model']}**; "
            + "; ".join(f"AdamW's {n}-step loss {t['loss']:.4f} "
                        f"({t['adam']}, {t['seconds']:.1f} s)"
                        for n, t in res["targets"].items()),
-           "", head, "|---|" + "---|---|---|" * len(marks)]
+           "", head, "|---|" + "---|---|---|---|" * len(marks)]
   for f in res["families"]:
     cells = []
     for n in marks:
@@ -362,7 +369,7 @@ def plot(results: list, path: str) -> None:
       ax.annotate(f"AdamW @{n}", (0, t["loss"]), fontsize=7,
                   va="bottom", color="gray")
     ax.set_ylim(top=min(3.5, max(ax.get_ylim()[1], 2.0)))
-    ax.set_title(f"{res['model']} GPT ({res['params'] / 1e6:.2f}M)")
+    ax.set_title(f"{res['model']} GPT")
     ax.set_xlabel("training seconds (first call included)")
     ax.set_ylabel("validation loss (nats/char)")
     ax.grid(alpha=0.3)
@@ -372,8 +379,34 @@ def plot(results: list, path: str) -> None:
   plt.close(fig)
 
 
+def from_curves(args, path: str) -> list:
+  """The results of every model in a ``--curves`` JSON."""
+  with open(path, encoding="utf-8") as f:
+    saved = json.load(f)
+  names = {"adamw": "AdamW", "muon": "Muon", "psgd": "PSGD Kron"}
+  results = []
+  for model, entries in saved.items():
+    runs = []
+    for name, e in entries.items():
+      r = char_gpt.Run(name, None, None, None)
+      r.curve = [tuple(c) for c in e["curve"]]
+      r.step_seconds = e["step_seconds"]
+      r.first_call, r.steps = r.step_seconds[0], len(r.step_seconds)
+      r.family = names.get(name.split()[0], name.split()[0])
+      runs.append(r)
+    results.append(dict(model=model, params=0, runs=runs, skipped={},
+                        **summarise(args, runs)))
+  return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> list:
   args, gpt = parse_args(argv)
+  if args.report:
+    results = from_curves(args, args.report)
+    print("\n\n".join(markdown(args, res) for res in results))
+    if args.plot:
+      plot(results, args.plot)
+    return results
   print(f"jax {jax.__version__}, optax {optax.__version__} on "
         f"{jax.devices()[0].platform}; {gpt.batch_size}x{gpt.context} "
         f"characters a step; load average {os.getloadavg()}", flush=True)
