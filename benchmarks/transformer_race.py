@@ -36,7 +36,7 @@ validation loss against seconds (``--plot``).
 Run::
 
   python benchmarks/transformer_race.py --smoke       # tiny, ~1 min
-  python benchmarks/transformer_race.py --long 600    # ~1 h on 2 CPUs
+  python benchmarks/transformer_race.py --long 600    # the 600-step race
   python benchmarks/transformer_race.py               # 600 and 2000 steps
   python benchmarks/transformer_race.py --models equinox \\
       --kfac-transform kfac_adamw,OTHER --kfac-lrs 2e-3,3e-3
