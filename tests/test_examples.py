@@ -217,3 +217,44 @@ def test_nanogpt_race_smoke_prints_table_and_plot(tmp_path):
     assert int(adam[3]) == int(adam[2]) and float(adam[4]) > 0, adam
     assert png.stat().st_size > 0
     png.unlink()
+
+
+def test_transformer_race_smoke_tables_and_plot(tmp_path):
+  """benchmarks/transformer_race.py --smoke: a table per model with a row
+  per optimizer family (PSGD Kron raced or said not to run), each run's
+  validation losses and step times, and the PNG."""
+  pytest.importorskip("flax")
+  pytest.importorskip("equinox")
+  pytest.importorskip("matplotlib")
+  root = helpers.ROOT
+  png, md = tmp_path / "race.png", tmp_path / "race.md"
+  cmd = [sys.executable, str(root / "benchmarks" / "transformer_race.py"),
+         "--smoke", "--plot", str(png), "--markdown", str(md)]
+  env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                       timeout=900, check=True).stdout
+  text = md.read_text()
+  assert text.count("AdamW's 10-step loss") == 2, text
+  families = [l.split("|")[1].strip() for l in text.splitlines()
+              if l.startswith("| ") and "steps to" not in l
+              and not l.startswith("| run")]
+  assert families.count("AdamW") == families.count("Muon") == 2, families
+  assert families.count("kfac_adamw") == 2, families
+  assert (families.count("PSGD Kron") == 2
+          or sum("did not run" in l for l in text.splitlines()) == 2), text
+  runs = [r for r in (l.split("|")[1:-1] for l in text.splitlines()
+                      if l.startswith(("| adamw ", "| muon ", "| psgd ",
+                                       "| kfac_adamw ")))
+          if len(r[0].split()) == 2]  # "name rate": a run, not a family.
+  assert len(runs) >= 6, text
+  for r in runs:
+    v10, v20, ms, first = (float(r[1]), float(r[2]), float(r[3]),
+                           float(r[4].split()[0]))
+    assert 0 < v20 < v10 < 2 * math.log(65), r  # All of them learn,
+    if r[0].startswith(" adamw"):  # AdamW below the uniform guess.
+      assert v20 < math.log(65), r
+    assert 0 < ms / 1e3 < first, r
+  # AdamW reaches its own losses at exactly 10 and 20 steps.
+  assert "| AdamW | 10 (1.00×) |" in text, text
+  assert "Fastest to AdamW's loss" in out and png.stat().st_size > 0
