@@ -105,21 +105,14 @@ def first_call_split(step, args, repeats: int = 5) -> tuple:
   """``(trace, lower, compile, first run, median step)`` seconds of a new
   jit of ``step`` (no cache applies); the median of ``repeats`` further
   steps, each fed the previous step's params and state."""
-  t0 = time.perf_counter()
-  traced = jax.jit(step).trace(*args)
-  t1 = time.perf_counter()
-  lowered = traced.lower()
-  t2 = time.perf_counter()
-  compiled = lowered.compile()
-  t3 = time.perf_counter()
-  out = jax.block_until_ready(compiled(*args))
-  t4 = time.perf_counter()
+  import step_profile  # pylint: disable=import-outside-toplevel
+  split, compiled, out = step_profile.first_call(step, args)
   times = []
   for _ in range(repeats):
     t = time.perf_counter()
     out = jax.block_until_ready(compiled(*out[:2], *args[2:]))
     times.append(time.perf_counter() - t)
-  return t1 - t0, t2 - t1, t3 - t2, t4 - t3, float(np.median(times))
+  return (*split, float(np.median(times)))
 
 
 def profile(s: dict, gpt) -> None:
