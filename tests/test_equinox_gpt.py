@@ -62,6 +62,7 @@ def test_scan_recognises_every_layer_but_the_position_table(gpt):
   assert len(paths) == len(leaves)
 
 
+@pytest.mark.slow
 def test_one_kfac_adamw_step(gpt):
   ex, _, s = gpt
   tx = kfac_jax_lite.kfac_adamw(2e-3, s["collection"])

@@ -281,6 +281,7 @@ def _target(tree, sharding=None):
       x.shape, x.dtype, sharding=sharding or x.sharding), tree)
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_bitwise_and_onto_another_mesh(problem, devices,
                                                           tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
