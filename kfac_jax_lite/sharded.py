@@ -116,7 +116,10 @@ def curvature_plan(estimator, mesh, curvature_axis) -> placement.Plan:
     curvature_axis: its axis name(s) the curvature is spread over.
 
   Returns:
-    A :class:`~kfac_jax_lite.placement.Plan`.
+    A ``kfac_jax_lite.placement.Plan``: ``owners`` (a layer's device),
+    ``layers_of(r)``, ``loads()`` (bytes per device), ``imbalance()``
+    (the largest load over the mean) and ``describe()`` (also its
+    ``print``).
 
   Raises:
     ValueError, TypeError: as for ``mesh=`` and ``curvature_axis=`` of
