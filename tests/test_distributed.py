@@ -337,8 +337,11 @@ def test_stats_synced_before_refresh(problem):
                           "stagger_inverse_updates": True,
                           "inverse_update_period": 2},
                  marks=(pytest.mark.slow, pytest.mark.xla_defaults)),
+    # With LAPACK at one thread for the whole process, this one is 1.4e-6
+    # apart at the suite's fast compile settings.
     pytest.param("pmap", {"stats_sync": "before_refresh", "exps": (-1, -0.5),
-                          "compute_cholesky": True}, marks=pytest.mark.slow),
+                          "compute_cholesky": True},
+                 marks=(pytest.mark.slow, pytest.mark.xla_defaults)),
     pytest.param("shard_map", {}, marks=pytest.mark.slow)])
 def test_distributed_inverses_match_local(problem, mesh, mapping, kwargs):
   params, batches, c = problem

@@ -245,9 +245,11 @@ def test_kfac_reads_each_gradient_leaf_once(problem):
   b]`` matrices, ``FisherEstimator.product_inputs``), so each gradient
   leaf has one reader in the update: whatever computed it (an L2 term's
   ``2λW``) fuses into the kernel that builds the matrix instead of being
-  materialised for a finiteness check of its own."""
+  materialised for a finiteness check of its own. Unclipped: KL clipping
+  (``kfac``'s default ``norm_constraint``) reads the gradient a second
+  time for its inner product ``gᵀF̂⁻¹g``."""
   params, batches, c, vgs = problem
-  tx = kl.kfac(0.1, c, damping=1e-2)
+  tx = kl.kfac(0.1, c, damping=1e-2, norm_constraint=None)
   _, grads, stats = vgs(params, batches[0], jax.random.PRNGKey(0))
   jaxpr = jax.make_jaxpr(lambda g, s, p, st: tx.update(g, s, p, stats=st))(
       grads, tx.init(params), params, stats).jaxpr
