@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,9 +92,20 @@ def run_case(case, devices, mode, cache_dir, adam=False):
   return status, exited, "".join(lines)
 
 
+def _jax_before(major, minor):
+  return tuple(int(p) for p in jax.__version__.split(".")[:2]) < (major,
+                                                                   minor)
+
+
 def check_case(case, devices, mode, cache_dir):
   status, seconds, out = run_case(case, devices, mode, cache_dir)
   want = CASES[case][1]
+  if "queued running=False" in out and _jax_before(0, 8):
+    # Measured with the lowest pins (jax 0.7.2): the step's calls return
+    # only once it has run, even 200 of them, so no step is in flight at
+    # the end and there is nothing to test. Newer JAX queues them.
+    pytest.skip(f"jax {jax.__version__} runs this step synchronously: no "
+                "step is in flight when the script ends")
   assert "queued running=True" in out, (
       f"the steps had finished before the script ended: nothing tested\n"
       f"{out[-3000:]}")
