@@ -65,12 +65,18 @@ def parse_args(argv: Optional[Sequence[str]]):
   if not 1 <= args.short <= args.long:
     p.error(f"need 1 <= --short ({args.short}) <= --long ({args.long})")
   args.adam_lrs = [float(x) for x in args.adam_lrs.split(",")]
+  return args, char_gpt_args(p, args, rest)
+
+
+def char_gpt_args(p, args, rest):
+  """``char_gpt``'s flags from ``rest``; ``p.error`` unless ``args.short``
+  and ``args.long`` are multiples of its ``--eval-every``."""
   gpt = char_gpt.parse_args(rest + ["--plot", ""])
   for name in ("short", "long"):
     if getattr(args, name) % gpt.eval_every:
       p.error(f"--{name} {getattr(args, name)} must be a multiple of "
               f"--eval-every {gpt.eval_every}")
-  return args, gpt
+  return gpt
 
 
 def loss_at_step(run: char_gpt.Run, step: int) -> float:

@@ -124,12 +124,7 @@ def parse_args(argv: Optional[Sequence[str]]):
   for name in ("adam_lrs", "muon_lrs", "psgd_lrs", "kfac_lrs"):
     setattr(args, name, [float(x) for x in getattr(args, name).split(",")
                          if x])
-  gpt = char_gpt.parse_args(rest + ["--plot", ""])
-  for name in ("short", "long"):
-    if getattr(args, name) % gpt.eval_every:
-      p.error(f"--{name} {getattr(args, name)} must be a multiple of "
-              f"--eval-every {gpt.eval_every}")
-  return args, gpt
+  return args, gpt_race.char_gpt_args(p, args, rest)
 
 
 # ---------------------------------------------------------- optimizers ----
