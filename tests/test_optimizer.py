@@ -122,6 +122,7 @@ def test_quadratic_model_matches_explicit_solve_with_dense_fisher():
                                rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_damping_adapts_at_the_interval_and_one_program():
   params, batches, c = _mlp_problem()
   tx = kl.kfac_optimizer(c, initial_damping=1.0,
@@ -158,6 +159,7 @@ def test_damping_adapts_at_the_interval_and_one_program():
   assert float(helpers.classifier_loss(params, batches[0])) < 0.7 * start
 
 
+@pytest.mark.slow
 def test_reduction_ratio_is_the_loss_at_the_applied_update():
   """ρ = (h(θ + u) − h(θ)) / q(u) with ``u`` the update this step returns
   (θ + u is shared with the caller's apply_updates; a skipped step's

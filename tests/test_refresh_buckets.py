@@ -61,6 +61,7 @@ def test_bucketed_refresh_equals_per_block_refresh(kw):
                                (s.a, s.g, s.weight, s.scale), rtol=0)
 
 
+@pytest.mark.slow
 def test_padding_with_identity_is_exact_for_matrix_functions():
   m = jax.random.normal(jax.random.PRNGKey(0), (7, 7))
   m = m @ m.T

@@ -259,6 +259,7 @@ def test_kfac_reads_each_gradient_leaf_once(problem):
     assert len(readers) == 1, readers
 
 
+@pytest.mark.slow
 def test_product_inputs_equal_the_plain_product(problem):
   """``multiply_matpower(..., inputs=)`` multiplies the stacked groups'
   inputs; a state of another estimator is refused with the fix."""

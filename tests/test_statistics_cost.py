@@ -83,6 +83,7 @@ def test_stride_one_is_every_row_bitwise():
                stats[1].stacked)
 
 
+@pytest.mark.slow
 def test_estimator_draws_reach_every_offset_and_average_to_the_factor():
   """Empirical mode samples nothing, so the offset is the only randomness:
   the keys give exactly ``k`` distinct factors, whose mean is the
@@ -133,6 +134,7 @@ def test_default_stride_is_every_row_on_cpu_and_four_on_gpu():
   assert flops(None, "cuda") < 0.8 * flops(1, "cuda")
 
 
+@pytest.mark.slow
 def test_char_gpt_statistics_cost_a_fifth_of_the_gradient_on_gpu():
   """At the GPT of the measured profile (6 x 384, 6 heads, 256 x 64
   characters) the default statistics of the first 8 sequences, lowered
@@ -182,6 +184,7 @@ def test_kfac_adamw_trains_with_strided_statistics():
   assert losses[-1] < 0.8 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_kfac_adamw_passes_the_position_stride_to_its_estimator():
   params, batch = _seq_problem()
   c = kl.scan(_seq_loss, params, batch)

@@ -106,6 +106,7 @@ def test_bad_position_stride_names_the_argument(bad):
     kl.kfac_adamw(1e-3, collection, stats_position_stride=bad)
 
 
+@pytest.mark.slow
 def test_position_stride_never_drops_examples():
   """One row per example (no positions): every stride keeps every row."""
   params, batch = _problem()
@@ -141,6 +142,7 @@ def test_small_batches_keep_every_example_by_default():
   assert est.linearize_head(params, batch, lin) is lin
 
 
+@pytest.mark.slow
 def test_transforms_pass_the_fraction_to_their_estimator():
   params, batch = _problem()
   collection = kl.scan(helpers.classifier_loss, params, batch)

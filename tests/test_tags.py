@@ -48,6 +48,7 @@ def test_value_and_grad_equal_untagged(setup):
   _assert_same(lambda m, p, x: jax.jit(jax.grad(m, argnums=1))(p, x), setup)
 
 
+@pytest.mark.slow
 def test_check_grads_through_tags(setup):
   # float64, so that finite differences are accurate enough for order 2.
   with jax.enable_x64(True):

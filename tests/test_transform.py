@@ -54,6 +54,7 @@ def test_chain_jit_no_retrace_and_inverse_period(problem):
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_cov_update_period(problem):
   params, batches, c = problem
   tx = kl.scale_by_kfac(c, cov_update_period=2, inverse_update_period=2)
@@ -87,6 +88,7 @@ def test_first_step_direction_is_damped_inverse(problem):
   helpers.assert_trees_close(direction, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_stats_path_equals_batch_path(problem):
   params, batches, c = problem
   tx = kl.kfac(0.1, c, estimation_mode="empirical")
@@ -250,6 +252,7 @@ def test_kfac_clips_at_its_default_kl_bound(problem, lr):
   helpers.assert_trees_close(update(norm_constraint=1e-3), update(), 0.0)
 
 
+@pytest.mark.slow
 def test_norm_constraint_schedule_is_read_at_the_step_count(problem):
   params, batches, c = problem
   grads = jax.grad(helpers.classifier_loss)(params, batches[0])
@@ -324,6 +327,7 @@ def _steps(tx, params, batches, poison=()):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.xla_defaults
 def test_kfac_is_the_chain_it_is_built_from(problem):
   """``kfac`` = ``skip_nonfinite(chain(scale_by_kfac, add_decayed_weights,
@@ -370,6 +374,7 @@ def test_last_finite_survives_chain_and_inject_hyperparams(problem):
     assert int(curvature[0].count) == 1
 
 
+@pytest.mark.slow
 def test_estimator_escape_hatch(problem):
   """Options left out of the factories' arguments are set on the estimator
   (``estimator=``): the same results as through the arguments that remain,

@@ -106,7 +106,8 @@ def _kfac_blocks(setting, approx, params, batch):
 
 @pytest.mark.parametrize("setting,exact,other", [
     ("expand", "kron_indep", "kron_reduce"),
-    ("reduce", "kron_reduce", "kron_indep")])
+    pytest.param("reduce", "kron_reduce", "kron_indep",
+                 marks=pytest.mark.slow)])
 def test_each_approximation_is_exact_in_its_own_setting(setting, exact,
                                                         other):
   params, batch = _params(), _data()
@@ -118,6 +119,7 @@ def test_each_approximation_is_exact_in_its_own_setting(setting, exact,
   assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()
 
 
+@pytest.mark.slow
 def test_reduce_with_a_mean_over_the_shared_axis_is_exact_too():
   params, batch = _params(), _data()
 
@@ -164,6 +166,7 @@ def _attention_problem():
   return params, batch, loss_fn
 
 
+@pytest.mark.slow
 def test_attention_projections_take_reduce_factors_by_path_prefix():
   """``A = mean_b ā ā^T`` (ā the position mean of ``[x; 1]``) and, in the
   empirical mode, ``G = mean_b ḡ ḡ^T`` with ``ḡ = Σ_t ∂ℓ_b/∂y_t``, the
