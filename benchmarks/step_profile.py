@@ -63,7 +63,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 import char_gpt  # noqa: E402  pylint: disable=g-import-not-at-top
 
@@ -84,26 +83,6 @@ PARTS = (
 # input that is not donated (K-FAC's caches between refreshes, ...).
 INPUTS = "copies of the inputs (not donated)"
 CONTAINERS = ("while", "conditional", "call", "async-start", "async-done")
-
-
-def make_step(loss_fn, tx, fraction: Optional[float]):
-  """``char_gpt.make_step`` with its three stages in named scopes."""
-
-  def step(params, state, batch):
-    with jax.named_scope("loss_and_grad"):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    extra = {}
-    if fraction is not None:
-      rows = max(1, math.ceil(fraction * batch["x"].shape[0]))
-      extra["batch"] = (batch if fraction >= 1 else
-                        jax.tree.map(lambda x: x[:rows], batch))
-    with jax.named_scope("optimizer"):
-      updates, state = tx.update(grads, state, params, **extra)
-    with jax.named_scope("apply_updates"):
-      params = optax.apply_updates(params, updates)
-    return params, state, loss
-
-  return step
 
 
 def parse_hlo(text: str) -> dict:
@@ -348,7 +327,7 @@ def run(args, gpt, s: dict) -> dict:
   for _ in range(args.repeats):
     for name, (tx, fraction) in opts.items():
       # A new closure each time: no trace or compile is reused.
-      step = make_step(s["loss_fn"], tx, fraction)
+      step = char_gpt.make_step(s["loss_fn"], tx, fraction)
       mine = jax.tree.map(jax.numpy.copy, params)
       t, compiled[name], outs[name] = first_call(
           step, (mine, tx.init(mine), batch), args.donate)

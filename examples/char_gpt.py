@@ -272,18 +272,24 @@ def make_step(loss_fn: Callable, tx, fraction: Optional[float] = None
 
   The gradient is that of the whole batch. With ``fraction`` the optimizer
   also gets ``batch=``: the first ``⌈f·B⌉`` sequences, from which K-FAC
-  runs its statistics pass (the whole batch for ``f = 1``).
+  runs its statistics pass (the whole batch for ``f = 1``). The three
+  stages run in named scopes (``loss_and_grad``, ``optimizer``,
+  ``apply_updates``), which a profile shows (``benchmarks/step_profile.py``).
   """
 
   def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    with jax.named_scope("loss_and_grad"):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     extra = {}
     if fraction is not None:
       rows = max(1, math.ceil(fraction * batch["x"].shape[0]))
       extra["batch"] = (batch if fraction >= 1 else
                         jax.tree.map(lambda x: x[:rows], batch))
-    updates, state = tx.update(grads, state, params, **extra)
-    return optax.apply_updates(params, updates), state, loss
+    with jax.named_scope("optimizer"):
+      updates, state = tx.update(grads, state, params, **extra)
+    with jax.named_scope("apply_updates"):
+      params = optax.apply_updates(params, updates)
+    return params, state, loss
 
   return step
 
@@ -533,11 +539,14 @@ def setup(args: argparse.Namespace):
               collection=collection, eval_fn=eval_fn)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-  """Races K-FAC against AdamW; returns ``{"kfac": Run, "adamw": Run}``."""
+def race_kfac_and_adamw(setup_fn: Callable,
+                        argv: Optional[Sequence[str]]) -> tuple:
+  """Parses ``argv``, builds the model with ``setup_fn(args)`` (this
+  module's :func:`setup` or another GPT's), races K-FAC against AdamW on it
+  and prints the report; returns ``(args, setup, parameter count, runs)``."""
   args = parse_args(argv)
   use_compilation_cache(args.compilation_cache)
-  s = setup(args)
+  s = setup_fn(args)
   print(s["collection"].describe())
   n = sum(x.size for x in jax.tree.leaves(s["params"]))
   print(f"\n{n / 1e6:.2f}M parameters; jax {jax.__version__} on "
@@ -552,6 +561,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           Run("adamw", s["params"], adam_state, adam_step)]
   race(runs, s["batch_fn"], s["eval_fn"], args.steps, args.eval_every)
   report(runs, args)
+  return args, s, n, runs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+  """Races K-FAC against AdamW; returns ``{"kfac": Run, "adamw": Run}``."""
+  args, s, n, runs = race_kfac_and_adamw(setup, argv)
   if args.plot:
     plot(runs, args.plot, f"char GPT ({n / 1e6:.2f}M params), tiny "
          "Shakespeare")

@@ -140,24 +140,7 @@ def setup(args):
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Races K-FAC against AdamW on the Equinox GPT; returns the runs."""
-  args = char_gpt.parse_args(argv)
-  char_gpt.use_compilation_cache(args.compilation_cache)
-  s = setup(args)
-  print(s["collection"].describe())
-  n = sum(x.size for x in jax.tree.leaves(s["params"]))
-  print(f"\n{n / 1e6:.2f}M parameters; jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}; {args.steps} steps of "
-        f"{args.batch_size}x{args.context} characters\n", flush=True)
-  kfac_state, kfac_step = char_gpt.make_kfac_runner(
-      s["loss_fn"], *char_gpt.kfac_transform(s["collection"], args,
-                                             args.seed), s["params"])
-  adam_state, adam_step = char_gpt.make_adamw_runner(
-      s["loss_fn"], args.adam_lr, s["params"])
-  runs = [char_gpt.Run("kfac", s["params"], kfac_state, kfac_step),
-          char_gpt.Run("adamw", s["params"], adam_state, adam_step)]
-  char_gpt.race(runs, s["batch_fn"], s["eval_fn"], args.steps,
-                args.eval_every)
-  char_gpt.report(runs, args)
+  args, _, n, runs = char_gpt.race_kfac_and_adamw(setup, argv)
   if args.plot:
     char_gpt.plot(runs, args.plot, f"Equinox char GPT ({n / 1e6:.2f}M "
                   "params), tiny Shakespeare")
