@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,8 +55,10 @@ from kfac_jax_lite import _blas_threads
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import grouping
 from kfac_jax_lite import linalg
+from kfac_jax_lite import linearization
 from kfac_jax_lite import placement
 from kfac_jax_lite import refresh
+from kfac_jax_lite import routing
 from kfac_jax_lite import stats as stats_lib
 from kfac_jax_lite.grouping import EstimatorState
 from kfac_jax_lite.grouping import ProductInputs
@@ -73,6 +76,33 @@ class ShardedState(NamedTuple):
     >>> state.inner[0].estimator.rows["float32"].sharding
   """
   rows: dict  # dtype -> [R, L] sharded over the curvature axis
+
+
+class StatsInputs(NamedTuple):
+  """What the statistics of a :class:`ShardedEstimator` are computed from:
+  per layer its :class:`~kfac_jax_lite.blocks.LayerData` (inputs and
+  output gradients of the global batch, not yet reduced to factor
+  statistics, so no device forms the statistics of layers it does not
+  own)."""
+  layer_data: tuple
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _unread_params_dropped(block, data):
+  """``data`` without its parameter values where ``block``'s statistics do
+  not read them (tried at trace time: ``compute_stats`` with ``None`` in
+  their place), so they are not moved to the owner."""
+  if not data.params:
+    return data
+  bare = data._replace(params=(None,) * len(data.params))
+  try:
+    jax.eval_shape(lambda: block.compute_stats(bare))
+  except (TypeError, AttributeError, IndexError, ValueError):
+    return data
+  return bare
 
 
 def place(estimator, mesh, curvature_axis) -> Any:
@@ -251,34 +281,50 @@ class ShardedEstimator:
           "mesh= and curvature_axis=).")
 
   # ---- running each device's own blocks ----------------------------------
-  def _run(self, branch, rows, operands, reduce: bool):
-    """``branch(r, states, operands)`` on each device ``r`` of the axis
-    with its own blocks' ``states`` (``{layer: state}``), under
-    ``shard_map``. ``reduce``: the branches return arrays summed over the
-    axis (products); otherwise ``{layer: new state}``, packed back."""
-    names = self.axis
+  def _update(self, branch, rows, operands, specs=None, before=None):
+    """New rows: ``branch(r, states, operands)`` (``{layer: new state}``)
+    on each device ``r`` of the axis with its own blocks' ``states``, under
+    ``shard_map`` (``operands`` entering with ``specs``; ``before`` maps
+    them on every device before the branches, e.g. an exchange).
+
+    The branches only read the row; each returns the window of it that
+    holds the leaves it changed (the same offsets on every device,
+    :meth:`~kfac_jax_lite.placement.Layout.window`), written back in
+    place: no copy of the row is made.
+    """
+    names, layout = self.axis, self.layout
 
     def body(rows, operands):
       rows = {dt: x[0] for dt, x in rows.items()}
+      if before is not None:
+        operands = before(operands)
+      spans: dict = {}
+      for r in range(self.num_devices):  # Which leaves change, per dtype.
+        def probe(rows, operands, r=r):
+          old = layout.unpack(r, rows)
+          for dt, (lo, hi) in layout.changed(
+              old, branch(r, old, operands)).items():
+            a, b = spans.get(dt, (lo, hi))
+            spans[dt] = (min(a, lo), max(b, hi))
+          return 0
+        jax.eval_shape(probe, rows, operands)
 
       def one(r, rows, operands):
-        out = branch(r, self.layout.unpack(r, rows), operands)
-        if reduce:
-          return out
-        old = self.layout.unpack(r, rows)
-        old.update(out)
-        return {dt: x[None] for dt, x in self.layout.pack(r, old).items()}
+        old = layout.unpack(r, rows)
+        return layout.window(rows, old, branch(r, old, operands), spans)
 
       fns = [functools.partial(one, r) for r in range(self.num_devices)]
       if len(fns) == 1:
-        out = fns[0](rows, operands)
+        new = fns[0](rows, operands)
       else:
-        out = lax.switch(lax.axis_index(names), fns, rows, operands)
-      return lax.psum(out, names) if reduce else out
+        new = lax.switch(lax.axis_index(names), fns, rows, operands)
+      rows = {dt: x if dt not in spans else lax.dynamic_update_slice_in_dim(
+          x, new[dt], spans[dt][0], 0) for dt, x in rows.items()}
+      return {dt: x[None] for dt, x in rows.items()}
 
-    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(self._spec, P()),
-                       out_specs=P() if reduce else self._spec,
-                       check_vma=False)
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(
+        self._spec, P() if specs is None else specs), out_specs=self._spec,
+        check_vma=False)
     return fn(rows, operands)
 
   # ---- verbs -------------------------------------------------------------
@@ -312,10 +358,35 @@ class ShardedEstimator:
         body, mesh=self.mesh, in_specs=(), out_specs=self._spec,
         check_vma=False)())
 
+  def stats_from(self, lin, rng) -> StatsInputs:
+    """The statistics' inputs of a linearisation (one backward pass):
+    each layer's :class:`~kfac_jax_lite.blocks.LayerData`, not yet reduced
+    to factor statistics, which :meth:`update_curvature` computes on each
+    layer's owner only (as :meth:`FisherEstimator.stats_from`)."""
+    est = self.estimator
+    p = linearization.statistics_pass(
+        lin, est.blocks, rng, est.estimation_mode, est.num_samples, False,
+        None, 1.0 if lin.head_only else est.stats_fraction,
+        est.stats_min_examples)
+    return StatsInputs(tuple(p.layer_data))
+
+  def compute_stats(self, params, batch, rng) -> StatsInputs:
+    """:meth:`stats_from` of ``batch``'s linearisation."""
+    with jax.named_scope("kfac_pass"):
+      return self.stats_from(self.estimator.linearize(params, batch), rng)
+
   def update_curvature(self, state, params=None, batch=None, rng=None, *,
                        stats=None, ema_decay=None) -> ShardedState:
     """Folds one minibatch into each block's EMA, on its owner (as
-    :meth:`FisherEstimator.update_curvature`)."""
+    :meth:`FisherEstimator.update_curvature`).
+
+    From ``batch`` (or the :class:`StatsInputs` of :meth:`stats_from`)
+    each layer's statistics inputs go to its owner
+    (:class:`~kfac_jax_lite.routing.Route`), which alone computes the
+    layer's factor statistics; ``stats=`` from
+    :func:`~kfac_jax_lite.value_grad_and_stats` are whole on every device
+    already, and each owner folds in its layers' part.
+    """
     est = self.estimator
     self._check(state)
     if (batch is None) == (stats is None):
@@ -323,23 +394,65 @@ class ShardedEstimator:
           "update_curvature needs exactly one of batch=... or stats=...; "
           f"got {'both' if batch is not None else 'neither'}.")
     if stats is None:
-      stats = est.compute_stats(params, batch, jax.random.PRNGKey(0)
-                                if rng is None else rng)
-    stats_lib.check_reduction(stats, est.axis_name, est.stats_sync)
-    per = est.per_layer(stats)
+      stats = self.compute_stats(params, batch, jax.random.PRNGKey(0)
+                                 if rng is None else rng)
     decay = est.cov_ema_decay if ema_decay is None else ema_decay
     static = isinstance(decay, (int, float))
+    d = 0.0 if static else jnp.asarray(decay)
+    ema = lambda i, s, x, d: est.blocks[i].update_curvature(  # noqa: E731
+        s, x, decay if static else d)
+    with jax.named_scope("kfac_ema"):
+      if isinstance(stats, StatsInputs):
+        return ShardedState(self._routed_ema(state.rows, stats, d, ema))
+      stats_lib.check_reduction(stats, est.axis_name, est.stats_sync)
+      return ShardedState(self._update(
+          lambda r, states, ops: {i: ema(i, s, ops[0][i], ops[1])
+                                  for i, s in states.items()},
+          state.rows, (est.per_layer(stats), d)))
+
+  def _routed_ema(self, rows, stats: StatsInputs, d, ema) -> dict:
+    """The EMA with each layer's statistics computed on its owner from its
+    inputs, moved there by a :class:`~kfac_jax_lite.routing.Route`."""
+    est = self.estimator
+    data = [_unread_params_dropped(b, x)
+            for b, x in zip(est.blocks, stats.layer_data)]
+    flat = [jax.tree.flatten(x) for x in data]
+    arrays = [[x for x in leaves if _is_array(x)] for leaves, _ in flat]
+    route = routing.make_route(self.plan, arrays)
+
+    def rebuild(i, full):
+      it = iter(full)
+      leaves, treedef = flat[i]
+      return treedef.unflatten([next(it) if _is_array(x) else x
+                                for x in leaves])
 
     def branch(r, states, ops):
-      per, d = ops
-      d = decay if static else d
-      return {i: est.blocks[i].update_curvature(s, per[i], d)
-              for i, s in states.items()}
+      received, local, d = ops
+      full = route.at_owner(r, received, local)
+      own = self._own_stats({i: rebuild(i, full[i]) for i in states})
+      return {i: ema(i, s, own[i], d) for i, s in states.items()}
 
-    with jax.named_scope("kfac_ema"):
-      rows = self._run(branch, state.rows,
-                       (per, 0.0 if static else jnp.asarray(decay)), False)
-    return ShardedState(rows)
+    return self._update(
+        branch, rows, (arrays, d), (route.specs(self.axis), P()),
+        lambda ops: (route.to_owners(ops[0], self.axis), ops[0], ops[1]))
+
+  def _own_stats(self, data: dict) -> dict:
+    """``{layer: statistics}`` of one device's layers from their whole
+    ``LayerData``: the members of a group one ``vmap``, as without a mesh
+    (:func:`grouping.group_stats`)."""
+    est, out = self.estimator, {}
+    for g in est.groups:
+      own = tuple(i for i in g if i in data)
+      if not own:
+        continue
+      res = grouping.group_stats(est.blocks, (own,), data)[0]
+      if len(own) == 1:
+        out[own[0]] = res
+      elif isinstance(res, grouping.Unstacked):
+        out.update(zip(own, res.members))
+      else:
+        out.update(zip(own, grouping.unstack(res, len(own))))
+    return out
 
   @_blas_threads.limited  # One LAPACK thread: docs/performance.md.
   def update_cache(self, state, damping=None, layers=None) -> ShardedState:
@@ -355,7 +468,7 @@ class ShardedEstimator:
       return self._refresh_own([i for i in states if wanted is None
                                 or i in wanted], states, lam)
 
-    return ShardedState(self._run(branch, state.rows, damping, False))
+    return ShardedState(self._update(branch, state.rows, damping))
 
   @functools.cached_property
   def _padded_sizes(self) -> dict:
@@ -409,29 +522,32 @@ class ShardedEstimator:
     return ProductInputs(leaves, parts, xs, rest)
 
   def multiply_matpower(self, state, v, exp, inputs=None):
-    """``F̂^exp v`` (damped): each layer's block on its owner, summed over
-    the axis (as :meth:`FisherEstimator.multiply_matpower`)."""
+    """``F̂^exp v`` (damped): each layer's block on its owner (as
+    :meth:`FisherEstimator.multiply_matpower`).
+
+    Each layer's part of ``v`` enters split over the axis on its leading
+    axis (:func:`~kfac_jax_lite.routing.split_axis`), goes whole to its
+    owner only, and the owner's product goes back split the same way
+    (:class:`~kfac_jax_lite.routing.Route`): no device holds more of
+    ``v`` or of the update than its share and its own layers'.
+    """
     est = self.estimator
     for b in est.blocks:
       blocks_lib.base.check_exp(b, exp)
     if inputs is None:
       inputs = self.product_inputs(state, v)
     self._check(state)
-    xs, parts = inputs.per_group, inputs.parts
-    state_shapes = [jax.eval_shape(b.init) for b in est.blocks]
+    parts = [list(p) for p in inputs.parts]
+    route = routing.make_route(self.plan, parts)
+    names, layout = self.axis, self.layout
 
     def raw(i, s, x):
       return est.blocks[i].multiply_matpower_raw(s, x, exp)
 
-    def finish(i, r, like):
-      return est.blocks[i].finish_product(r, like)
-
-    shapes = [jax.eval_shape(lambda s, x, like, i=i: finish(
-        i, raw(i, s, x), like), state_shapes[i], xs[i], parts[i])
-              for i in range(len(est.blocks))]
-
-    def branch(r, states, ops):
-      xs, parts = ops
+    def branch(r, rows, received, local):
+      full = route.at_owner(r, received, local)
+      states = layout.unpack(r, rows)
+      xs = {i: est.blocks[i].product_input(tuple(full[i])) for i in states}
       res = {}
       for g in est.groups:  # One vmap per group, as without a mesh.
         own = [i for i in g if i in states]
@@ -442,12 +558,23 @@ class ShardedEstimator:
           res.update(zip(own, grouping.unstack(out, len(own), True)))
         elif own:
           res[own[0]] = raw(own[0], states[own[0]], xs[own[0]])
-      return [finish(i, res[i], parts[i]) if i in res else jax.tree.map(
-          lambda t: jnp.zeros(t.shape, t.dtype), shapes[i])
-              for i in range(len(est.blocks))]
+      return route.from_owner(r, {i: list(est.blocks[i].finish_product(
+          res[i], tuple(full[i]))) for i in res})
 
+    def body(rows, local):
+      rows = {dt: x[0] for dt, x in rows.items()}
+      received = route.to_owners(local, names)
+      fns = [functools.partial(branch, r) for r in range(self.num_devices)]
+      if len(fns) == 1:
+        out = fns[0](rows, received, local)
+      else:
+        out = lax.switch(lax.axis_index(names), fns, rows, received, local)
+      return route.back(*out, names)
+
+    specs = route.specs(names)
     with jax.named_scope("kfac_sharded_product"):
-      out = self._run(branch, state.rows, (xs, parts), True)
+      out = jax.shard_map(body, mesh=self.mesh, in_specs=(self._spec, specs),
+                          out_specs=specs, check_vma=False)(state.rows, parts)
     return grouping.merge_params(est.collection, v, inputs.leaves, out)
 
   def multiply(self, state, v):

@@ -203,14 +203,16 @@ def test_each_device_holds_its_share_of_the_curvature(problem, devices):
       per_device, total, plan.describe())
 
 
-def test_refresh_and_products_gather_no_curvature(problem, devices):
-  """With replicated parameters, the compiled step has no all-gather: the
-  curvature never moves; only the statistics and the update are reduced."""
+def test_no_collective_moves_the_curvature(problem, devices):
+  """The compiled step's collectives carry statistics inputs, gradients and
+  updates, never a device's row of curvature: no collective has the row's
+  width in its shape, and the exchange to the owners is an all-to-all."""
   c = problem.scan()
   mesh = _mesh(devices)
   tx = kl.kfac(1e-2, c, inverse_update_period=1, mesh=mesh,
                curvature_axis="d")
   state = jax.jit(tx.init)(problem.params)
+  width = _curvature(state).rows["float32"].shape[1]
 
   def step(params, state, batch):
     grads = jax.grad(problem.loss)(params, batch)
@@ -218,8 +220,12 @@ def test_refresh_and_products_gather_no_curvature(problem, devices):
 
   batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
   hlo = jax.jit(step).lower(problem.params, state, batch).compile().as_text()
-  assert "all-gather" not in hlo
-  assert "all-reduce" in hlo
+  shapes = re.findall(r"= (.*?) (?:all-gather|all-reduce|all-to-all|"
+                      r"reduce-scatter|collective-permute)(?:-start)?\(", hlo)
+  assert "all-to-all(" in hlo and shapes
+  dims = {int(d) for s in shapes for d in re.findall(r"\[([\d,]*)\]", s)
+          for d in d.split(",") if d}
+  assert width not in dims, (width, shapes)
 
 
 # ---- bad input --------------------------------------------------------------
