@@ -10,21 +10,27 @@ only its own blocks. Every verb runs under ``jax.shard_map`` over the mesh;
 inside, each device takes its own branch of a ``lax.switch`` on its
 position along the axis and touches only its blocks:
 
-* the statistics (computed as without a mesh, over the global batch) are
-  folded into each block's EMA on its owner;
+* each layer's statistics inputs (the global batch's rows of its inputs
+  and output gradients, split over the batch on the devices) go to its
+  owner by one ``all_to_all`` (:mod:`kfac_jax_lite.routing`), which
+  alone forms the layer's factor statistics and folds them into its EMA
+  (:mod:`kfac_jax_lite.owner_stats`);
 * the damped powers of each block are refreshed on its owner (no factor or
   inverse is gathered anywhere);
-* the product :math:`(\\hat F_\\ell + \\lambda)^{p} g_\\ell` of each layer
-  is computed on its owner, the other devices contributing zeros, and one
-  ``psum`` over the axis gives every device the preconditioned update
+* each layer's part of the gradient ``g`` (split on its leading axis) goes
+  to its owner the same way, which computes
 
   .. math::
-    u = \\sum_{r=1}^{R} \\sum_{\\ell:\\,o(\\ell) = r}
-        (\\hat F_\\ell + \\lambda)^{p} g_\\ell
+    u_\\ell = (\\hat F_\\ell + \\lambda)^{p} g_\\ell ,
 
-  (adding zeros is exact, so the sum is the owner's value bit for bit).
-  Only ``u`` moves; the parameters' layout (replicated or FSDP-sharded)
-  takes it from there.
+  and ``u_ℓ`` goes back split the same way. Only statistics inputs,
+  gradients and updates move; the parameters' layout (replicated or
+  FSDP-sharded) takes ``u`` from there.
+
+The EMA and the refresh only read the device's row inside the ``switch``
+and return the window of it they change (the factors, or the cached
+powers: :class:`~kfac_jax_lite.placement.Layout`), written back in place,
+so the step holds one copy of each device's curvature.
 
 Each block runs the same code as without a mesh, so the sharded step is
 the replicated one up to the rounding of the batched refresh (a device
@@ -47,7 +53,6 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -55,9 +60,9 @@ from kfac_jax_lite import _blas_threads
 from kfac_jax_lite import blocks as blocks_lib
 from kfac_jax_lite import grouping
 from kfac_jax_lite import linalg
-from kfac_jax_lite import linearization
 from kfac_jax_lite import placement
 from kfac_jax_lite import refresh
+from kfac_jax_lite import owner_stats
 from kfac_jax_lite import routing
 from kfac_jax_lite import stats as stats_lib
 from kfac_jax_lite.grouping import EstimatorState
@@ -76,33 +81,6 @@ class ShardedState(NamedTuple):
     >>> state.inner[0].estimator.rows["float32"].sharding
   """
   rows: dict  # dtype -> [R, L] sharded over the curvature axis
-
-
-class StatsInputs(NamedTuple):
-  """What the statistics of a :class:`ShardedEstimator` are computed from:
-  per layer its :class:`~kfac_jax_lite.blocks.LayerData` (inputs and
-  output gradients of the global batch, not yet reduced to factor
-  statistics, so no device forms the statistics of layers it does not
-  own)."""
-  layer_data: tuple
-
-
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _unread_params_dropped(block, data):
-  """``data`` without its parameter values where ``block``'s statistics do
-  not read them (tried at trace time: ``compute_stats`` with ``None`` in
-  their place), so they are not moved to the owner."""
-  if not data.params:
-    return data
-  bare = data._replace(params=(None,) * len(data.params))
-  try:
-    jax.eval_shape(lambda: block.compute_stats(bare))
-  except (TypeError, AttributeError, IndexError, ValueError):
-    return data
-  return bare
 
 
 def place(estimator, mesh, curvature_axis) -> Any:
@@ -358,19 +336,12 @@ class ShardedEstimator:
         body, mesh=self.mesh, in_specs=(), out_specs=self._spec,
         check_vma=False)())
 
-  def stats_from(self, lin, rng) -> StatsInputs:
-    """The statistics' inputs of a linearisation (one backward pass):
-    each layer's :class:`~kfac_jax_lite.blocks.LayerData`, not yet reduced
-    to factor statistics, which :meth:`update_curvature` computes on each
-    layer's owner only (as :meth:`FisherEstimator.stats_from`)."""
-    est = self.estimator
-    p = linearization.statistics_pass(
-        lin, est.blocks, rng, est.estimation_mode, est.num_samples, False,
-        None, 1.0 if lin.head_only else est.stats_fraction,
-        est.stats_min_examples)
-    return StatsInputs(tuple(p.layer_data))
+  def stats_from(self, lin, rng) -> owner_stats.StatsInputs:
+    """The statistics' inputs of a linearisation, for
+    :meth:`update_curvature` (:func:`owner_stats.stats_from`)."""
+    return owner_stats.stats_from(self.estimator, lin, rng)
 
-  def compute_stats(self, params, batch, rng) -> StatsInputs:
+  def compute_stats(self, params, batch, rng) -> owner_stats.StatsInputs:
     """:meth:`stats_from` of ``batch``'s linearisation."""
     with jax.named_scope("kfac_pass"):
       return self.stats_from(self.estimator.linearize(params, batch), rng)
@@ -402,57 +373,16 @@ class ShardedEstimator:
     ema = lambda i, s, x, d: est.blocks[i].update_curvature(  # noqa: E731
         s, x, decay if static else d)
     with jax.named_scope("kfac_ema"):
-      if isinstance(stats, StatsInputs):
-        return ShardedState(self._routed_ema(state.rows, stats, d, ema))
+      if isinstance(stats, owner_stats.StatsInputs):
+        branch, ops, specs, before = owner_stats.ema_on_owners(
+            est, self.plan, self.axis, stats, d, ema)
+        return ShardedState(self._update(branch, state.rows, ops, specs,
+                                         before))
       stats_lib.check_reduction(stats, est.axis_name, est.stats_sync)
       return ShardedState(self._update(
           lambda r, states, ops: {i: ema(i, s, ops[0][i], ops[1])
                                   for i, s in states.items()},
           state.rows, (est.per_layer(stats), d)))
-
-  def _routed_ema(self, rows, stats: StatsInputs, d, ema) -> dict:
-    """The EMA with each layer's statistics computed on its owner from its
-    inputs, moved there by a :class:`~kfac_jax_lite.routing.Route`."""
-    est = self.estimator
-    data = [_unread_params_dropped(b, x)
-            for b, x in zip(est.blocks, stats.layer_data)]
-    flat = [jax.tree.flatten(x) for x in data]
-    arrays = [[x for x in leaves if _is_array(x)] for leaves, _ in flat]
-    route = routing.make_route(self.plan, arrays)
-
-    def rebuild(i, full):
-      it = iter(full)
-      leaves, treedef = flat[i]
-      return treedef.unflatten([next(it) if _is_array(x) else x
-                                for x in leaves])
-
-    def branch(r, states, ops):
-      received, local, d = ops
-      full = route.at_owner(r, received, local)
-      own = self._own_stats({i: rebuild(i, full[i]) for i in states})
-      return {i: ema(i, s, own[i], d) for i, s in states.items()}
-
-    return self._update(
-        branch, rows, (arrays, d), (route.specs(self.axis), P()),
-        lambda ops: (route.to_owners(ops[0], self.axis), ops[0], ops[1]))
-
-  def _own_stats(self, data: dict) -> dict:
-    """``{layer: statistics}`` of one device's layers from their whole
-    ``LayerData``: the members of a group one ``vmap``, as without a mesh
-    (:func:`grouping.group_stats`)."""
-    est, out = self.estimator, {}
-    for g in est.groups:
-      own = tuple(i for i in g if i in data)
-      if not own:
-        continue
-      res = grouping.group_stats(est.blocks, (own,), data)[0]
-      if len(own) == 1:
-        out[own[0]] = res
-      elif isinstance(res, grouping.Unstacked):
-        out.update(zip(own, res.members))
-      else:
-        out.update(zip(own, grouping.unstack(res, len(own))))
-    return out
 
   @_blas_threads.limited  # One LAPACK thread: docs/performance.md.
   def update_cache(self, state, damping=None, layers=None) -> ShardedState:
