@@ -145,16 +145,19 @@ class Route:
     return buffers, whole
 
   def back(self, buffers: dict, whole: list, names) -> list:
-    """Per layer, per leaf: this device's piece of the owner's result
-    (the exchange of :meth:`from_owner`'s buffers; the leaves not split
-    summed over the axis)."""
+    """Per layer, per leaf: the owner's result, whole on every device (the
+    exchange of :meth:`from_owner`'s buffers gives each device its piece,
+    an ``all_gather`` the rest; the leaves not split summed over the
+    axis)."""
     received = {dt: _exchange(x, names) for dt, x in buffers.items()}
     whole = lax.psum(whole, names)
     out = [list(w) for w in whole]
+    axis = names if len(names) > 1 else names[0]
     for o in range(self.plan.num_devices):
       for i, k, dt, off, shape in self._chunk(o):
-        out[i][k] = received[dt][o, off:off + math.prod(shape)].reshape(
-            shape)
+        piece = received[dt][o, off:off + math.prod(shape)].reshape(shape)
+        out[i][k] = lax.all_gather(piece, axis, axis=self.axes[i][k],
+                                   tiled=True)
     return out
 
 

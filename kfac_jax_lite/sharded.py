@@ -23,9 +23,10 @@ position along the axis and touches only its blocks:
   .. math::
     u_\\ell = (\\hat F_\\ell + \\lambda)^{p} g_\\ell ,
 
-  and ``u_ℓ`` goes back split the same way. Only statistics inputs,
-  gradients and updates move; the parameters' layout (replicated or
-  FSDP-sharded) takes ``u`` from there.
+  and ``u_ℓ`` goes back split the same way, then is all-gathered: ``u``
+  leaves whole on every device, as without a mesh, and the parameters'
+  layout (replicated or FSDP-sharded) takes its share. Only statistics
+  inputs, gradients and updates move.
 
 The EMA and the refresh only read the device's row inside the ``switch``
 and return the window of it they change (the factors, or the cached
@@ -456,10 +457,10 @@ class ShardedEstimator:
     :meth:`FisherEstimator.multiply_matpower`).
 
     Each layer's part of ``v`` enters split over the axis on its leading
-    axis (:func:`~kfac_jax_lite.routing.split_axis`), goes whole to its
-    owner only, and the owner's product goes back split the same way
-    (:class:`~kfac_jax_lite.routing.Route`): no device holds more of
-    ``v`` or of the update than its share and its own layers'.
+    axis (:func:`~kfac_jax_lite.routing.split_axis`) and goes whole to its
+    owner only; the owner's product goes back split the same way
+    (:class:`~kfac_jax_lite.routing.Route`) and is all-gathered, so the
+    result is whole on every device (as without a mesh).
     """
     est = self.estimator
     for b in est.blocks:
@@ -504,7 +505,7 @@ class ShardedEstimator:
     specs = route.specs(names)
     with jax.named_scope("kfac_sharded_product"):
       out = jax.shard_map(body, mesh=self.mesh, in_specs=(self._spec, specs),
-                          out_specs=specs, check_vma=False)(state.rows, parts)
+                          out_specs=P(), check_vma=False)(state.rows, parts)
     return grouping.merge_params(est.collection, v, inputs.leaves, out)
 
   def multiply(self, state, v):
