@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import jax
 import jax.core  # jax.core.Tracer
@@ -321,13 +321,11 @@ def refreshed_leaves(block) -> tuple:
 def make_layout(plan: Plan, estimator) -> Layout:
   """The :class:`Layout` of ``plan`` for ``estimator``'s block states."""
   n = len(plan.units)
-  treedefs, slots = [None] * n, [[] for _ in range(n)]
-  shapes, flags = [None] * n, [None] * n
-  for i, block in enumerate(estimator.blocks):
-    leaves, treedefs[i] = jax.tree.flatten(jax.eval_shape(block.init))
-    shapes[i] = leaves
-    flags[i] = refreshed_leaves(block)
-  widths: dict[str, Any] = {}
+  slots: list[list] = [[] for _ in range(n)]
+  flat = [jax.tree.flatten(jax.eval_shape(b.init)) for b in estimator.blocks]
+  shapes = [leaves for leaves, _ in flat]
+  treedefs = [treedef for _, treedef in flat]
+  flags = [refreshed_leaves(b) for b in estimator.blocks]
   starts: dict[str, int] = {}
   for region in (False, True):  # Left alone by a refresh, then rewritten.
     ends: dict[str, int] = {}
@@ -343,6 +341,6 @@ def make_layout(plan: Plan, estimator) -> Layout:
         ends[dt] = max(ends.get(dt, 0), u)
     starts = {**starts, **ends}
   widths = {dt: max(w, 1) for dt, w in starts.items()}
-  slots = tuple(tuple(s for _, s in sorted(ss, key=lambda t: t[0]))
-                for ss in slots)
-  return Layout(plan, tuple(treedefs), slots, dict(sorted(widths.items())))
+  return Layout(plan, tuple(treedefs), tuple(
+      tuple(s for _, s in sorted(ss, key=lambda t: t[0])) for ss in slots),
+                dict(sorted(widths.items())))

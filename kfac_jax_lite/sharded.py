@@ -428,7 +428,9 @@ class ShardedEstimator:
     out = {}
     for g in est.groups:
       own = [i for i in g if i in mine]
-      if len(g) > 1 and own:
+      if len(g) > 1 and len(own) == 1:  # No stack: a copy of the state.
+        out[own[0]] = est.blocks[own[0]].update_cache(states[own[0]], lam)
+      elif len(g) > 1 and own:
         new = jax.vmap(lambda s, b=est.blocks[g[0]]: b.update_cache(s, lam))(
             grouping.stack([states[i] for i in own]))
         out.update(zip(own, grouping.unstack(new, len(own))))
@@ -482,7 +484,7 @@ class ShardedEstimator:
       res = {}
       for g in est.groups:  # One vmap per group, as without a mesh.
         own = [i for i in g if i in states]
-        if len(g) > 1 and own:
+        if len(own) > 1:  # A lone member unstacked: no copy of its state.
           out = jax.vmap(functools.partial(raw, g[0]))(
               grouping.stack([states[i] for i in own]),
               grouping.stack([xs[i] for i in own]))
@@ -500,7 +502,8 @@ class ShardedEstimator:
         out = fns[0](rows, received, local)
       else:
         out = lax.switch(lax.axis_index(names), fns, rows, received, local)
-      return route.back(*out, names)
+      buffers, whole = out
+      return route.back(buffers, whole, names)
 
     specs = route.specs(names)
     with jax.named_scope("kfac_sharded_product"):

@@ -223,8 +223,8 @@ def test_no_collective_moves_the_curvature(problem, devices):
   shapes = re.findall(r"= (.*?) (?:all-gather|all-reduce|all-to-all|"
                       r"reduce-scatter|collective-permute)(?:-start)?\(", hlo)
   assert "all-to-all(" in hlo and shapes
-  dims = {int(d) for s in shapes for d in re.findall(r"\[([\d,]*)\]", s)
-          for d in d.split(",") if d}
+  dims = {int(n) for s in shapes for d in re.findall(r"\[([\d,]*)\]", s)
+          for n in d.split(",") if n}
   assert width not in dims, (width, shapes)
 
 
