@@ -234,10 +234,10 @@ class Layout:
 
   Row ``r`` of a ``[R, L_dtype]`` array holds device ``r``'s layers' state
   leaves, raveled, in two regions: first the leaves a refresh leaves alone
-  (the factors and their EMA weight, in layer order), then, from the same
-  offset ``N_dtype`` on every device, those a refresh rewrites (the cached
-  powers or eigenbases); each region is zero padded to the longest
-  device's. The rows are sharded over the curvature axis, so each device
+  (the factors and their EMA weight), then, from the same offset
+  ``N_dtype`` on every device, those a refresh rewrites (the cached powers
+  or eigenbases); in each, the device's largest block first, then the
+  others by size; each region is zero padded to the longest device's. The rows are sharded over the curvature axis, so each device
   stores its own row only; the EMA and the refresh each write one window
   of it (:meth:`window`), the same offsets on every device.
   """
@@ -331,7 +331,7 @@ def make_layout(plan: Plan, estimator) -> Layout:
     ends: dict[str, int] = {}
     for r in range(plan.num_devices):
       used = dict(starts)
-      for i in plan.layers_of(r):
+      for i in sorted(plan.layers_of(r), key=lambda i: -plan.units[i].nbytes):
         for k, (x, f) in enumerate(zip(shapes[i], flags[i])):
           if f is region:
             dt = str(x.dtype)

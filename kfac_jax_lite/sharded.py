@@ -293,7 +293,9 @@ class ShardedEstimator:
         return layout.window(rows, old, branch(r, old, operands), spans)
 
       fns = [functools.partial(one, r) for r in range(self.num_devices)]
-      if len(fns) == 1:
+      if not spans:
+        new = {}
+      elif len(fns) == 1:
         new = fns[0](rows, operands)
       else:
         new = lax.switch(lax.axis_index(names), fns, rows, operands)
@@ -395,11 +397,21 @@ class ShardedEstimator:
     damping = jnp.asarray(damping, linalg.factor_dtype())
     wanted = None if layers is None else set(layers)
 
-    def branch(r, states, lam):
-      return self._refresh_own([i for i in states if wanted is None
-                                or i in wanted], states, lam)
+    units = self.plan.units
+    largest = {r: max(own, key=lambda i: units[i].nbytes) for r in range(
+        self.num_devices) if (own := self.plan.layers_of(r))}
 
-    return ShardedState(self._update(branch, state.rows, damping))
+    def branch(first, r, states, lam):
+      return self._refresh_own([i for i in states if (
+          wanted is None or i in wanted) and (i == largest[r]) == first],
+                               states, lam)
+
+    # Each device's largest block first, the others after: two windows,
+    # each smaller than all the caches (the layout puts the largest
+    # block's first), and their refresh temporaries not live together.
+    rows = self._update(functools.partial(branch, True), state.rows, damping)
+    return ShardedState(self._update(functools.partial(branch, False), rows,
+                                     damping))
 
   @functools.cached_property
   def _padded_sizes(self) -> dict:
