@@ -30,8 +30,9 @@ position along the axis and touches only its blocks:
 
 The EMA and the refresh only read the device's row inside the ``switch``
 and return the window of it they change (the factors, or the cached
-powers: :class:`~kfac_jax_lite.placement.Layout`), written back in place,
-so the step holds one copy of each device's curvature.
+powers: :class:`~kfac_jax_lite.placement.Layout`), written back in place:
+the verbs make no copy of the row (a ``lax.cond`` around a verb, as the
+refresh schedule's, still may: XLA then copies the row for it).
 
 Each block runs the same code as without a mesh, so the sharded step is
 the replicated one up to the rounding of the batched refresh (a device
