@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import jax
 import jax.core  # jax.core.Tracer
@@ -232,10 +232,14 @@ class Slot:
 class Layout:
   """Each device's blocks packed into one row per dtype.
 
-  Device ``r``'s layers' state leaves, raveled and concatenated in layer
-  order, fill row ``r`` of a ``[R, L_dtype]`` array (zero padded to the
-  longest device's ``L_dtype``); the rows are sharded over the curvature
-  axis, so each device stores its own row only.
+  Row ``r`` of a ``[R, L_dtype]`` array holds device ``r``'s layers' state
+  leaves, raveled, in two regions: first the leaves a refresh leaves alone
+  (the factors and their EMA weight), then, from the same offset
+  ``N_dtype`` on every device, those a refresh rewrites (the cached powers
+  or eigenbases); in each, the device's largest block first, then the
+  others by size; each region is zero padded to the longest device's. The rows are sharded over the curvature axis, so each device
+  stores its own row only; the EMA and the refresh each write one window
+  of it (:meth:`window`), the same offsets on every device.
   """
   plan: Plan
   treedefs: tuple     # per layer, its state's structure
@@ -244,17 +248,21 @@ class Layout:
 
   def pack(self, device: int, states: dict) -> dict:
     """``{dtype: [L]}``, the row of ``device`` from its layers' states."""
-    parts = {dt: [] for dt in self.widths}
+    parts: dict = {dt: [] for dt in self.widths}
     for i in self.plan.layers_of(device):
-      for x in jax.tree.leaves(states[i]):
-        parts[str(x.dtype)].append(jnp.ravel(x))
+      for s, x in zip(self.slots[i], jax.tree.leaves(states[i])):
+        parts[s.dtype].append((s.offset, jnp.ravel(x).astype(s.dtype)))
     out = {}
     for dt, width in self.widths.items():
-      used = sum(p.size for p in parts[dt])
-      if used < width:
-        parts[dt].append(jnp.zeros((width - used,), dt))
-      out[dt] = jnp.concatenate(parts[dt]) if len(parts[dt]) > 1 else (
-          parts[dt][0])
+      pieces, at = [], 0
+      for off, x in sorted(parts[dt], key=lambda p: p[0]):
+        if off > at:
+          pieces.append(jnp.zeros((off - at,), dt))
+        pieces.append(x)
+        at = off + x.size
+      if at < width:
+        pieces.append(jnp.zeros((width - at,), dt))
+      out[dt] = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
     return out
 
   def unpack(self, device: int, rows: dict) -> dict:
@@ -266,23 +274,73 @@ class Layout:
       out[i] = jax.tree.unflatten(self.treedefs[i], leaves)
     return out
 
+  def changed(self, old: dict, new: dict) -> dict:
+    """``{dtype: (lo, hi)}``: the span of the slots of the leaves of
+    ``new`` (``{layer: state}``) that are not ``old``'s own arrays (traced:
+    a leaf passed through unchanged is the same object)."""
+    spans: dict = {}
+    for i, state in new.items():
+      for s, n, o in zip(self.slots[i], jax.tree.leaves(state),
+                         jax.tree.leaves(old[i])):
+        if n is not o:
+          lo, hi = spans.get(s.dtype, (s.offset, s.offset))
+          spans[s.dtype] = (min(lo, s.offset),
+                            max(hi, s.offset + math.prod(s.shape)))
+    return spans
+
+  def window(self, rows: dict, old: dict, new: dict, spans: dict) -> dict:
+    """``{dtype: rows[dtype][lo:hi]}`` with the leaves of ``new`` that are
+    not ``old``'s (:meth:`changed`, inside the ``spans``) written in."""
+    out = {dt: rows[dt][lo:hi] for dt, (lo, hi) in spans.items()}
+    for i, state in new.items():
+      for s, n, o in zip(self.slots[i], jax.tree.leaves(state),
+                         jax.tree.leaves(old[i])):
+        if n is not o:
+          out[s.dtype] = jax.lax.dynamic_update_slice_in_dim(
+              out[s.dtype], jnp.ravel(n).astype(s.dtype),
+              s.offset - spans[s.dtype][0], 0)
+    return out
+
+
+def refreshed_leaves(block) -> tuple:
+  """Per leaf of ``block``'s state: whether its refresh rewrites it (the
+  leaves ``update_cache`` returns as new arrays, found by tracing it)."""
+  flags: list = []
+
+  def probe():
+    state = block.init()
+    new = block.update_cache(state, jnp.asarray(1e-3, jnp.float32))
+    flags.extend(n is not o for n, o in zip(jax.tree.leaves(new),
+                                            jax.tree.leaves(state)))
+    return 0
+
+  jax.eval_shape(probe)
+  return tuple(flags)
+
 
 def make_layout(plan: Plan, estimator) -> Layout:
   """The :class:`Layout` of ``plan`` for ``estimator``'s block states."""
-  treedefs, slots = [None] * len(plan.units), [None] * len(plan.units)
-  widths: dict[str, Any] = {}
-  for r in range(plan.num_devices):
-    used: dict[str, int] = {}
-    for i in plan.layers_of(r):
-      shapes = jax.eval_shape(estimator.blocks[i].init)
-      leaves, treedefs[i] = jax.tree.flatten(shapes)
-      mine = []
-      for x in leaves:
-        dt = str(x.dtype)
-        mine.append(Slot(dt, used.get(dt, 0), tuple(x.shape)))
-        used[dt] = used.get(dt, 0) + math.prod(x.shape)
-      slots[i] = tuple(mine)
-    for dt, n in used.items():
-      widths[dt] = max(widths.get(dt, 1), n)
-  return Layout(plan, tuple(treedefs), tuple(slots), dict(sorted(
-      widths.items())))
+  n = len(plan.units)
+  slots: list[list] = [[] for _ in range(n)]
+  flat = [jax.tree.flatten(jax.eval_shape(b.init)) for b in estimator.blocks]
+  shapes = [leaves for leaves, _ in flat]
+  treedefs = [treedef for _, treedef in flat]
+  flags = [refreshed_leaves(b) for b in estimator.blocks]
+  starts: dict[str, int] = {}
+  for region in (False, True):  # Left alone by a refresh, then rewritten.
+    ends: dict[str, int] = {}
+    for r in range(plan.num_devices):
+      used = dict(starts)
+      for i in sorted(plan.layers_of(r), key=lambda i: -plan.units[i].nbytes):
+        for k, (x, f) in enumerate(zip(shapes[i], flags[i])):
+          if f is region:
+            dt = str(x.dtype)
+            slots[i].append((k, Slot(dt, used.get(dt, 0), tuple(x.shape))))
+            used[dt] = used.get(dt, 0) + math.prod(x.shape)
+      for dt, u in used.items():
+        ends[dt] = max(ends.get(dt, 0), u)
+    starts = {**starts, **ends}
+  widths = {dt: max(w, 1) for dt, w in starts.items()}
+  return Layout(plan, tuple(treedefs), tuple(
+      tuple(s for _, s in sorted(ss, key=lambda t: t[0])) for ss in slots),
+                dict(sorted(widths.items())))

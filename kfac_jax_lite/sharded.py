@@ -10,21 +10,29 @@ only its own blocks. Every verb runs under ``jax.shard_map`` over the mesh;
 inside, each device takes its own branch of a ``lax.switch`` on its
 position along the axis and touches only its blocks:
 
-* the statistics (computed as without a mesh, over the global batch) are
-  folded into each block's EMA on its owner;
+* each layer's statistics inputs (the global batch's rows of its inputs
+  and output gradients, split over the batch on the devices) go to its
+  owner by one ``all_to_all`` (:mod:`kfac_jax_lite.routing`), which
+  alone forms the layer's factor statistics and folds them into its EMA
+  (:mod:`kfac_jax_lite.owner_stats`);
 * the damped powers of each block are refreshed on its owner (no factor or
   inverse is gathered anywhere);
-* the product :math:`(\\hat F_\\ell + \\lambda)^{p} g_\\ell` of each layer
-  is computed on its owner, the other devices contributing zeros, and one
-  ``psum`` over the axis gives every device the preconditioned update
+* each layer's part of the gradient ``g`` (split on its leading axis) goes
+  to its owner the same way, which computes
 
   .. math::
-    u = \\sum_{r=1}^{R} \\sum_{\\ell:\\,o(\\ell) = r}
-        (\\hat F_\\ell + \\lambda)^{p} g_\\ell
+    u_\\ell = (\\hat F_\\ell + \\lambda)^{p} g_\\ell ,
 
-  (adding zeros is exact, so the sum is the owner's value bit for bit).
-  Only ``u`` moves; the parameters' layout (replicated or FSDP-sharded)
-  takes it from there.
+  and ``u_ℓ`` goes back split the same way, then is all-gathered: ``u``
+  leaves whole on every device, as without a mesh, and the parameters'
+  layout (replicated or FSDP-sharded) takes its share. Only statistics
+  inputs, gradients and updates move.
+
+The EMA and the refresh only read the device's row inside the ``switch``
+and return the window of it they change (the factors, or the cached
+powers: :class:`~kfac_jax_lite.placement.Layout`), written back in place:
+the verbs make no copy of the row (a ``lax.cond`` around a verb, as the
+refresh schedule's, still may: XLA then copies the row for it).
 
 Each block runs the same code as without a mesh, so the sharded step is
 the replicated one up to the rounding of the batched refresh (a device
@@ -56,6 +64,8 @@ from kfac_jax_lite import grouping
 from kfac_jax_lite import linalg
 from kfac_jax_lite import placement
 from kfac_jax_lite import refresh
+from kfac_jax_lite import owner_stats
+from kfac_jax_lite import routing
 from kfac_jax_lite import stats as stats_lib
 from kfac_jax_lite.grouping import EstimatorState
 from kfac_jax_lite.grouping import ProductInputs
@@ -251,34 +261,52 @@ class ShardedEstimator:
           "mesh= and curvature_axis=).")
 
   # ---- running each device's own blocks ----------------------------------
-  def _run(self, branch, rows, operands, reduce: bool):
-    """``branch(r, states, operands)`` on each device ``r`` of the axis
-    with its own blocks' ``states`` (``{layer: state}``), under
-    ``shard_map``. ``reduce``: the branches return arrays summed over the
-    axis (products); otherwise ``{layer: new state}``, packed back."""
-    names = self.axis
+  def _update(self, branch, rows, operands, specs=None, before=None):
+    """New rows: ``branch(r, states, operands)`` (``{layer: new state}``)
+    on each device ``r`` of the axis with its own blocks' ``states``, under
+    ``shard_map`` (``operands`` entering with ``specs``; ``before`` maps
+    them on every device before the branches, e.g. an exchange).
+
+    The branches only read the row; each returns the window of it that
+    holds the leaves it changed (the same offsets on every device,
+    :meth:`~kfac_jax_lite.placement.Layout.window`), written back in
+    place: no copy of the row is made.
+    """
+    names, layout = self.axis, self.layout
 
     def body(rows, operands):
       rows = {dt: x[0] for dt, x in rows.items()}
+      if before is not None:
+        operands = before(operands)
+      spans: dict = {}
+      for r in range(self.num_devices):  # Which leaves change, per dtype.
+        def probe(rows, operands, r=r):
+          old = layout.unpack(r, rows)
+          for dt, (lo, hi) in layout.changed(
+              old, branch(r, old, operands)).items():
+            a, b = spans.get(dt, (lo, hi))
+            spans[dt] = (min(a, lo), max(b, hi))
+          return 0
+        jax.eval_shape(probe, rows, operands)
 
       def one(r, rows, operands):
-        out = branch(r, self.layout.unpack(r, rows), operands)
-        if reduce:
-          return out
-        old = self.layout.unpack(r, rows)
-        old.update(out)
-        return {dt: x[None] for dt, x in self.layout.pack(r, old).items()}
+        old = layout.unpack(r, rows)
+        return layout.window(rows, old, branch(r, old, operands), spans)
 
       fns = [functools.partial(one, r) for r in range(self.num_devices)]
-      if len(fns) == 1:
-        out = fns[0](rows, operands)
+      if not spans:
+        new = {}
+      elif len(fns) == 1:
+        new = fns[0](rows, operands)
       else:
-        out = lax.switch(lax.axis_index(names), fns, rows, operands)
-      return lax.psum(out, names) if reduce else out
+        new = lax.switch(lax.axis_index(names), fns, rows, operands)
+      rows = {dt: x if dt not in spans else lax.dynamic_update_slice_in_dim(
+          x, new[dt], spans[dt][0], 0) for dt, x in rows.items()}
+      return {dt: x[None] for dt, x in rows.items()}
 
-    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(self._spec, P()),
-                       out_specs=P() if reduce else self._spec,
-                       check_vma=False)
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(
+        self._spec, P() if specs is None else specs), out_specs=self._spec,
+        check_vma=False)
     return fn(rows, operands)
 
   # ---- verbs -------------------------------------------------------------
@@ -312,10 +340,28 @@ class ShardedEstimator:
         body, mesh=self.mesh, in_specs=(), out_specs=self._spec,
         check_vma=False)())
 
+  def stats_from(self, lin, rng) -> owner_stats.StatsInputs:
+    """The statistics' inputs of a linearisation, for
+    :meth:`update_curvature` (:func:`owner_stats.stats_from`)."""
+    return owner_stats.stats_from(self.estimator, lin, rng)
+
+  def compute_stats(self, params, batch, rng) -> owner_stats.StatsInputs:
+    """:meth:`stats_from` of ``batch``'s linearisation."""
+    with jax.named_scope("kfac_pass"):
+      return self.stats_from(self.estimator.linearize(params, batch), rng)
+
   def update_curvature(self, state, params=None, batch=None, rng=None, *,
                        stats=None, ema_decay=None) -> ShardedState:
     """Folds one minibatch into each block's EMA, on its owner (as
-    :meth:`FisherEstimator.update_curvature`)."""
+    :meth:`FisherEstimator.update_curvature`).
+
+    From ``batch`` (or the :class:`StatsInputs` of :meth:`stats_from`)
+    each layer's statistics inputs go to its owner
+    (:class:`~kfac_jax_lite.routing.Route`), which alone computes the
+    layer's factor statistics; ``stats=`` from
+    :func:`~kfac_jax_lite.value_grad_and_stats` are whole on every device
+    already, and each owner folds in its layers' part.
+    """
     est = self.estimator
     self._check(state)
     if (batch is None) == (stats is None):
@@ -323,23 +369,24 @@ class ShardedEstimator:
           "update_curvature needs exactly one of batch=... or stats=...; "
           f"got {'both' if batch is not None else 'neither'}.")
     if stats is None:
-      stats = est.compute_stats(params, batch, jax.random.PRNGKey(0)
-                                if rng is None else rng)
-    stats_lib.check_reduction(stats, est.axis_name, est.stats_sync)
-    per = est.per_layer(stats)
+      stats = self.compute_stats(params, batch, jax.random.PRNGKey(0)
+                                 if rng is None else rng)
     decay = est.cov_ema_decay if ema_decay is None else ema_decay
     static = isinstance(decay, (int, float))
-
-    def branch(r, states, ops):
-      per, d = ops
-      d = decay if static else d
-      return {i: est.blocks[i].update_curvature(s, per[i], d)
-              for i, s in states.items()}
-
+    d = 0.0 if static else jnp.asarray(decay)
+    ema = lambda i, s, x, d: est.blocks[i].update_curvature(  # noqa: E731
+        s, x, decay if static else d)
     with jax.named_scope("kfac_ema"):
-      rows = self._run(branch, state.rows,
-                       (per, 0.0 if static else jnp.asarray(decay)), False)
-    return ShardedState(rows)
+      if isinstance(stats, owner_stats.StatsInputs):
+        branch, ops, specs, before = owner_stats.ema_on_owners(
+            est, self.plan, self.axis, stats, d, ema)
+        return ShardedState(self._update(branch, state.rows, ops, specs,
+                                         before))
+      stats_lib.check_reduction(stats, est.axis_name, est.stats_sync)
+      return ShardedState(self._update(
+          lambda r, states, ops: {i: ema(i, s, ops[0][i], ops[1])
+                                  for i, s in states.items()},
+          state.rows, (est.per_layer(stats), d)))
 
   @_blas_threads.limited  # One LAPACK thread: docs/performance.md.
   def update_cache(self, state, damping=None, layers=None) -> ShardedState:
@@ -351,11 +398,21 @@ class ShardedEstimator:
     damping = jnp.asarray(damping, linalg.factor_dtype())
     wanted = None if layers is None else set(layers)
 
-    def branch(r, states, lam):
-      return self._refresh_own([i for i in states if wanted is None
-                                or i in wanted], states, lam)
+    units = self.plan.units
+    largest = {r: max(own, key=lambda i: units[i].nbytes) for r in range(
+        self.num_devices) if (own := self.plan.layers_of(r))}
 
-    return ShardedState(self._run(branch, state.rows, damping, False))
+    def branch(first, r, states, lam):
+      return self._refresh_own([i for i in states if (
+          wanted is None or i in wanted) and (i == largest[r]) == first],
+                               states, lam)
+
+    # Each device's largest block first, the others after: two windows,
+    # each smaller than all the caches (the layout puts the largest
+    # block's first), and their refresh temporaries not live together.
+    rows = self._update(functools.partial(branch, True), state.rows, damping)
+    return ShardedState(self._update(functools.partial(branch, False), rows,
+                                     damping))
 
   @functools.cached_property
   def _padded_sizes(self) -> dict:
@@ -384,7 +441,9 @@ class ShardedEstimator:
     out = {}
     for g in est.groups:
       own = [i for i in g if i in mine]
-      if len(g) > 1 and own:
+      if len(g) > 1 and len(own) == 1:  # No stack: a copy of the state.
+        out[own[0]] = est.blocks[own[0]].update_cache(states[own[0]], lam)
+      elif len(g) > 1 and own:
         new = jax.vmap(lambda s, b=est.blocks[g[0]]: b.update_cache(s, lam))(
             grouping.stack([states[i] for i in own]))
         out.update(zip(own, grouping.unstack(new, len(own))))
@@ -409,45 +468,60 @@ class ShardedEstimator:
     return ProductInputs(leaves, parts, xs, rest)
 
   def multiply_matpower(self, state, v, exp, inputs=None):
-    """``F̂^exp v`` (damped): each layer's block on its owner, summed over
-    the axis (as :meth:`FisherEstimator.multiply_matpower`)."""
+    """``F̂^exp v`` (damped): each layer's block on its owner (as
+    :meth:`FisherEstimator.multiply_matpower`).
+
+    Each layer's part of ``v`` enters split over the axis on its leading
+    axis (:func:`~kfac_jax_lite.routing.split_axis`) and goes whole to its
+    owner only; the owner's product goes back split the same way
+    (:class:`~kfac_jax_lite.routing.Route`) and is all-gathered, so the
+    result is whole on every device (as without a mesh).
+    """
     est = self.estimator
     for b in est.blocks:
       blocks_lib.base.check_exp(b, exp)
     if inputs is None:
       inputs = self.product_inputs(state, v)
     self._check(state)
-    xs, parts = inputs.per_group, inputs.parts
-    state_shapes = [jax.eval_shape(b.init) for b in est.blocks]
+    parts = [list(p) for p in inputs.parts]
+    route = routing.make_route(self.plan, parts)
+    names, layout = self.axis, self.layout
 
     def raw(i, s, x):
       return est.blocks[i].multiply_matpower_raw(s, x, exp)
 
-    def finish(i, r, like):
-      return est.blocks[i].finish_product(r, like)
-
-    shapes = [jax.eval_shape(lambda s, x, like, i=i: finish(
-        i, raw(i, s, x), like), state_shapes[i], xs[i], parts[i])
-              for i in range(len(est.blocks))]
-
-    def branch(r, states, ops):
-      xs, parts = ops
+    def branch(r, rows, received, local):
+      full = route.at_owner(r, received, local)
+      states = layout.unpack(r, rows)
+      xs = {i: est.blocks[i].product_input(tuple(full[i])) for i in states}
       res = {}
       for g in est.groups:  # One vmap per group, as without a mesh.
         own = [i for i in g if i in states]
-        if len(g) > 1 and own:
+        if len(own) > 1:  # A lone member unstacked: no copy of its state.
           out = jax.vmap(functools.partial(raw, g[0]))(
               grouping.stack([states[i] for i in own]),
               grouping.stack([xs[i] for i in own]))
           res.update(zip(own, grouping.unstack(out, len(own), True)))
         elif own:
           res[own[0]] = raw(own[0], states[own[0]], xs[own[0]])
-      return [finish(i, res[i], parts[i]) if i in res else jax.tree.map(
-          lambda t: jnp.zeros(t.shape, t.dtype), shapes[i])
-              for i in range(len(est.blocks))]
+      return route.from_owner(r, {i: list(est.blocks[i].finish_product(
+          res[i], tuple(full[i]))) for i in res})
 
+    def body(rows, local):
+      rows = {dt: x[0] for dt, x in rows.items()}
+      received = route.to_owners(local, names)
+      fns = [functools.partial(branch, r) for r in range(self.num_devices)]
+      if len(fns) == 1:
+        out = fns[0](rows, received, local)
+      else:
+        out = lax.switch(lax.axis_index(names), fns, rows, received, local)
+      buffers, whole = out
+      return route.back(buffers, whole, names)
+
+    specs = route.specs(names)
     with jax.named_scope("kfac_sharded_product"):
-      out = self._run(branch, state.rows, (xs, parts), True)
+      out = jax.shard_map(body, mesh=self.mesh, in_specs=(self._spec, specs),
+                          out_specs=P(), check_vma=False)(state.rows, parts)
     return grouping.merge_params(est.collection, v, inputs.leaves, out)
 
   def multiply(self, state, v):

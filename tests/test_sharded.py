@@ -24,6 +24,7 @@ import kfac_jax_lite as kl
 from kfac_jax_lite import placement
 from kfac_jax_lite import sharded
 from tests import helpers
+from tests import mesh_resume_worker
 from tests import problems
 
 R = 4
@@ -202,14 +203,16 @@ def test_each_device_holds_its_share_of_the_curvature(problem, devices):
       per_device, total, plan.describe())
 
 
-def test_refresh_and_products_gather_no_curvature(problem, devices):
-  """With replicated parameters, the compiled step has no all-gather: the
-  curvature never moves; only the statistics and the update are reduced."""
+def test_no_collective_moves_the_curvature(problem, devices):
+  """The compiled step's collectives carry statistics inputs, gradients and
+  updates, never a device's row of curvature: no collective has the row's
+  width in its shape, and the exchange to the owners is an all-to-all."""
   c = problem.scan()
   mesh = _mesh(devices)
   tx = kl.kfac(1e-2, c, inverse_update_period=1, mesh=mesh,
                curvature_axis="d")
   state = jax.jit(tx.init)(problem.params)
+  width = _curvature(state).rows["float32"].shape[1]
 
   def step(params, state, batch):
     grads = jax.grad(problem.loss)(params, batch)
@@ -217,8 +220,12 @@ def test_refresh_and_products_gather_no_curvature(problem, devices):
 
   batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
   hlo = jax.jit(step).lower(problem.params, state, batch).compile().as_text()
-  assert "all-gather" not in hlo
-  assert "all-reduce" in hlo
+  shapes = re.findall(r"= (.*?) (?:all-gather|all-reduce|all-to-all|"
+                      r"reduce-scatter|collective-permute)(?:-start)?\(", hlo)
+  assert "all-to-all(" in hlo and shapes
+  dims = {int(n) for s in shapes for d in re.findall(r"\[([\d,]*)\]", s)
+          for n in d.split(",") if n}
+  assert width not in dims, (width, shapes)
 
 
 # ---- bad input --------------------------------------------------------------
@@ -261,66 +268,29 @@ def test_a_state_of_another_layout_is_reported(problem, devices):
 
 
 # ---- checkpoints ------------------------------------------------------------
-def _stepper(problem, tx, mesh):
-  @jax.jit
-  def step(params, state, batch):
-    grads = jax.grad(problem.loss)(params, batch)
-    updates, state = tx.update(grads, state, params, batch=batch)
-    return jax.tree.map(lambda p, u: p + u, params, updates), state
-
-  def run(params, state, batches):
-    for b in batches:
-      params, state = step(params, state, jax.device_put(
-          b, NamedSharding(mesh, P("d"))))
-    return params, state
-  return run
-
-
-def _target(tree, sharding=None):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=sharding or x.sharding), tree)
-
-
 @pytest.mark.slow
 def test_checkpoint_resumes_bitwise_and_onto_another_mesh(problem, devices,
                                                           tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
-  c = problem.scan()
-  mesh, small = _mesh(devices), _mesh(devices[:2], (2,))
-  tx = kl.kfac(1e-2, c, damping=1e-2, inverse_update_period=2, mesh=mesh,
-               curvature_axis="d")
-  run = _stepper(problem, tx, mesh)
-  params, state = run(problem.params, jax.jit(tx.init)(problem.params),
-                      problem.batches[:2])
-  ckpt = ocp.StandardCheckpointer()
-  ckpt.save(tmp_path / "ckpt", {"params": params, "opt": state})
-  ckpt.wait_until_finished()
-  want = run(params, state, problem.batches[2:])
-  back = ckpt.restore(tmp_path / "ckpt",
-                      _target({"params": params, "opt": state}))
-  for x, y in zip(jax.tree.leaves(back["opt"]), jax.tree.leaves(state)):
-    assert x.sharding == y.sharding
-    np.testing.assert_array_equal(x, y)
-  got = run(back["params"], back["opt"], problem.batches[2:])
-  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(x, y)
-  # The same checkpoint on 2 devices: rows restored onto the small mesh,
-  # then each block moved to its owner under the 2-device plan.
-  est = kl.FisherEstimator(c)
-  onto = ckpt.restore(tmp_path / "ckpt", _target(
-      {"params": params, "opt": state}, NamedSharding(small, P())))
-  opt = kl.relayout_curvature(onto["opt"], est, small, "d")
-  rows = _curvature(opt).rows["float32"]
-  assert rows.shape[0] == 2 and rows.sharding.spec == P("d")
-  old, new = _layout_of(c, mesh, "d"), _layout_of(c, small, "d")
-  for x, y in zip(jax.tree.leaves(new.logical(_curvature(opt))),
-                  jax.tree.leaves(old.logical(_curvature(state)))):
-    np.testing.assert_array_equal(x, y)  # The blocks moved bit for bit.
-  tx2 = kl.kfac(1e-2, c, damping=1e-2, inverse_update_period=2, mesh=small,
-                curvature_axis="d")
-  moved = _stepper(problem, tx2, small)(onto["params"], opt,
-                                        problem.batches[2:])
-  helpers.assert_trees_close(moved[0], want[0], rtol=1e-5)
+  """4 devices to 2, in-process (``tests/mesh_resume_worker.py``)."""
+  pytest.importorskip("orbax.checkpoint")
+  mesh_resume_worker.check_resume(problem, devices, devices[:2],
+                                  tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+def test_checkpoint_of_8_devices_resumes_on_4(tmp_path):
+  """8 devices to 4: the same checks in a process of 8 simulated CPU
+  devices."""
+  pytest.importorskip("orbax.checkpoint")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  run = subprocess.run(
+      [sys.executable, "tests/mesh_resume_worker.py", "8", "4",
+       str(tmp_path)], cwd=helpers.ROOT,
+      env={**env, "PYTHONPATH": str(helpers.ROOT)}, capture_output=True,
+      text=True, timeout=900, check=False)
+  assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+  assert "device 7:" in run.stdout, run.stdout  # The 8-device plan.
+  assert "resumed 8 -> 4 devices" in run.stdout, run.stdout
 
 
 @pytest.mark.slow
