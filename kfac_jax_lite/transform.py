@@ -26,7 +26,7 @@ import optax
 
 from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import sharded
-from kfac_jax_lite import trees
+from kfac_jax_lite import step_rules
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.curvature import CurvatureState
 from kfac_jax_lite.curvature import ScalarOrSchedule
@@ -35,6 +35,8 @@ from kfac_jax_lite.curvature import dynamic
 from kfac_jax_lite.curvature import inputs_finite
 from kfac_jax_lite.curvature import update_curvature
 from kfac_jax_lite.curvature import value_at
+from kfac_jax_lite.step_rules import DEFAULT_INVERSE_UPDATE_WARMUP
+from kfac_jax_lite.step_rules import DEFAULT_NORM_CONSTRAINT
 
 
 def select_tree(pred, new, old):
@@ -114,28 +116,6 @@ def check_state(state, fields, fn):
         "and pass the state that tx.update returned.")
 
 
-# ``kfac``'s default KL-clipping bound ``C`` (``norm_constraint``): the
-# ``kl_clip`` default of the PyTorch K-FAC implementations and ACKTR's
-# trust radius. Why ``kfac`` clips by default: docs/guides/tuning.md.
-DEFAULT_NORM_CONSTRAINT = 1e-3
-
-
-def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
-  """KL clipping (Ba, Grosse & Martens 2017, sec. 5).
-
-  .. math:: \\nu = \\min\\left(1, \\sqrt{\\frac{C}{\\alpha^2\\, g^T \\hat F^{-1} g}}
-    \\right)
-
-  ``α²ν²gᵀF̂⁻¹g`` is the step's KL under the quadratic model (TF K-FAC's
-  ``norm_constraint``; :func:`kfac` uses ``C = 1e-3`` by default).
-  Returns ``ν`` (1 when the constraint is inactive or ``gᵀF̂⁻¹g <= 0``).
-  """
-  sq = trees.inner_products((direction, grads), ((0, 1),))[0]
-  sq = learning_rate ** 2 * sq
-  return jnp.where(sq > 0, jnp.minimum(1.0, jnp.sqrt(
-      norm_constraint / jnp.where(sq > 0, sq, 1.0))), 1.0)
-
-
 def scale_by_kfac(collection: Optional[LayerCollection], *,
                   damping: ScalarOrSchedule = 1e-3,
                   cov_ema_decay: Optional[float] = None,
@@ -153,6 +133,7 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
                   estimator: Optional[estimator_lib.FisherEstimator] = None,
                   mesh: Any = None,
                   curvature_axis: Any = None,
+                  inverse_update_warmup: int = 0,
                   ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with the K-FAC curvature: ``F̂^power g``.
 
@@ -211,6 +192,9 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
       ``axis_name``.
     curvature_axis: the mesh axis name (or a tuple of names) the curvature
       is spread over.
+    inverse_update_warmup: also refresh the damped powers at each of the
+      first this many steps (0, the default here: none; :func:`kfac` uses
+      20).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -221,8 +205,8 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
     either; :func:`skip_nonfinite` skips such steps).
 
   Raises:
-    ValueError: for a negative ``learning_rate`` or ``norm_constraint``,
-      a period below 1, an unknown ``estimation_mode``, an ``estimator``
+    ValueError: for a negative ``learning_rate``, ``norm_constraint`` or
+      ``inverse_update_warmup``, a period below 1, an unknown ``estimation_mode``, an ``estimator``
       whose ``exps`` lack ``power``, a ``curvature_axis`` without ``mesh``
       or not in it, ``mesh`` with ``axis_name``; at ``init``, parameters
       on devices outside ``mesh``; at ``update``, without ``params``,
@@ -248,7 +232,8 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
   curvature = update_curvature(
       est, damping=damping, cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,
-      stagger_inverse_updates=stagger_inverse_updates, seed=seed)
+      stagger_inverse_updates=stagger_inverse_updates, seed=seed,
+      inverse_update_warmup=inverse_update_warmup)
 
   def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 **extra_args):
@@ -273,7 +258,7 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
     direction = est.multiply_matpower(state.estimator, updates, power,
                                       inputs=inputs)
     if norm_constraint is not None:
-      nu = kl_clip_coefficient(direction, updates, lr, bound)
+      nu = step_rules.kl_clip_coefficient(direction, updates, lr, bound)
       direction = jax.tree.map(lambda d: (nu * d).astype(d.dtype), direction)
     return direction, state
 
@@ -432,6 +417,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          distributed_inverses: Optional[bool] = None, seed: int = 0,
          estimator: Optional[estimator_lib.FisherEstimator] = None,
          mesh: Any = None, curvature_axis: Any = None,
+         inverse_update_warmup: int = DEFAULT_INVERSE_UPDATE_WARMUP,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
 
@@ -531,7 +517,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       learning_rate=learning_rate, axis_name=axis_name,
       stats_sync=stats_sync, distributed_inverses=distributed_inverses,
       seed=seed, estimator=estimator, mesh=mesh,
-      curvature_axis=curvature_axis)]
+      curvature_axis=curvature_axis,
+      inverse_update_warmup=inverse_update_warmup)]
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   if not isinstance(momentum, (int, float)) or momentum:
