@@ -206,9 +206,10 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
 
   Raises:
     ValueError: for a negative ``learning_rate``, ``norm_constraint`` or
-      ``inverse_update_warmup``, a period below 1, an unknown ``estimation_mode``, an ``estimator``
-      whose ``exps`` lack ``power``, a ``curvature_axis`` without ``mesh``
-      or not in it, ``mesh`` with ``axis_name``; at ``init``, parameters
+      ``inverse_update_warmup``, a period below 1, an unknown
+      ``estimation_mode``, an ``estimator`` whose ``exps`` lack ``power``,
+      a ``curvature_axis`` without ``mesh`` or not in it, ``mesh`` with
+      ``axis_name``; at ``init``, parameters
       on devices outside ``mesh``; at ``update``, without ``params``,
       with neither or both of ``batch=`` and ``stats=``, or with params
       that do not match ``collection``.
@@ -433,14 +434,19 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     g)}\\right),\\qquad C = 10^{-3}
 
   so that the step's predicted KL, :math:`\\alpha^2 \\nu^2 g^T\\hat F^{-1}
-  g`, is at most ``C``. Without it, ``gᵀF̂⁻¹g`` grows by orders of
-  magnitude between refreshes of the damped inverses (the parameters move
-  into directions the stale, lightly damped inverse scales by up to
-  ``1/λ``) and a learning rate of ``1e-2`` diverges within 30 steps on
-  the examples' models; ``norm_constraint=None`` turns it off. Where the clipped steps
-  are too short to keep up with Adam (docs/guides/tuning.md has the
-  models and numbers), raise ``C`` or use :func:`kfac_optimizer`, which
-  adapts the damping, learning rate and momentum. It is
+  g`, is at most ``C`` (``norm_constraint=None`` turns it off). The damped
+  inverses are refreshed at each of the first ``inverse_update_warmup``
+  (20) steps, then every ``inverse_update_period`` (5): early in training
+  the factors change fastest, a stale inverse sends the gradient into
+  directions it scales by up to ``1/λ``, ``gᵀF̂⁻¹g`` grows by orders of
+  magnitude within a period and the clipping then shrinks the step to
+  almost nothing (without clipping, a learning rate of ``1e-2`` diverges).
+  With both, no learning rate of 1e-3, 1e-2, 1e-1 diverges on the
+  examples' three models, and the best one reaches Adam's 400-step loss
+  in fewer steps on two of them (docs/guides/tuning.md has the models and
+  numbers); per second, on a CPU where a K-FAC step costs several Adam
+  steps, it falls behind. Where that matters use :func:`kfac_optimizer`,
+  which adapts the damping, learning rate and momentum. It is
 
   ```python
   skip_nonfinite(optax.chain(
@@ -450,7 +456,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       optax.scale_by_learning_rate(learning_rate)))
   ```
 
-  (the same updates and state); build that chain for the options of
+  (the same updates and state, ``inverse_update_warmup`` passed on too);
+  build that chain for the options of
   :func:`scale_by_kfac` not listed here (``power``,
   ``stagger_inverse_updates``).
 
@@ -464,6 +471,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     cov_update_period: update the statistics every this many steps.
     inverse_update_period: refresh the damped inverses every this many
       steps.
+    inverse_update_warmup: and at each of the first this many steps
+      (default 20; 0 for the plain period).
     estimation_mode: how the statistics sample the Fisher (see
       :func:`scale_by_kfac`).
     norm_constraint: ``C`` of KL clipping (default ``1e-3``), or None for
@@ -487,7 +496,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
 
   Raises:
     ValueError: for a negative ``momentum``, ``weight_decay`` or
-      ``norm_constraint``, and as :func:`scale_by_kfac`.
+      ``norm_constraint``, an ``inverse_update_warmup`` that is not an int
+      >= 0, and as :func:`scale_by_kfac`.
     TypeError: for a ``norm_constraint`` that is not a number, a scalar
       array or a schedule.
 
