@@ -17,6 +17,7 @@ Why these defaults, with the measurements: docs/guides/tuning.md.
 from __future__ import annotations
 
 import jax
+import jax.core  # jax.core.Tracer
 import jax.numpy as jnp
 
 from kfac_jax_lite import trees
