@@ -460,9 +460,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   ```
 
   (the same updates and state, ``inverse_update_warmup`` passed on too);
-  build that chain for the options of
-  :func:`scale_by_kfac` not listed here (``power``,
-  ``stagger_inverse_updates``).
+  build that chain for the options of :func:`scale_by_kfac` not listed
+  here (``power``, ``stagger_inverse_updates``).
 
   Args:
     learning_rate: α, a float or schedule.
