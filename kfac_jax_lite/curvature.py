@@ -29,6 +29,7 @@ from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import keys as keys_lib
 from kfac_jax_lite import linalg
 from kfac_jax_lite import stats as stats_lib
+from kfac_jax_lite import step_rules
 from kfac_jax_lite import trees
 
 ScalarOrSchedule = Union[float, optax.Schedule]
@@ -135,7 +136,8 @@ def _every_step(period) -> bool:
   return isinstance(period, int) and period == 1
 
 
-def _refresh(est, period, stagger, count, est_state, damping, gate):
+def _refresh(est, period, stagger, count, est_state, damping, gate,
+             warmup=0):
   """Refreshes the caches as scheduled, where ``gate`` holds; returns the
   state and whether a refresh ran."""
   if stagger and not isinstance(period, int):
@@ -151,14 +153,17 @@ def _refresh(est, period, stagger, count, est_state, damping, gate):
     return s
 
   if not stagger or _every_step(period):
-    do = ((count % period) == 0) & gate
+    do = step_rules.refresh_due(count, period, warmup) & gate
     return lax.cond(do, refresh, keep, est_state), do
-  new = lax.cond((count == 0) & gate, refresh, keep, est_state)
+  # Every block at step 0 and through the warm-up, then round robin.
+  new = lax.cond((count < jnp.maximum(warmup, 1)) & gate, refresh, keep,
+                 est_state)
   n = len(est.blocks)
   for j in range(period):
     layers = tuple(range(j, n, period))
     if layers:
-      new = lax.cond((count > 0) & (count % period == j) & gate,
+      new = lax.cond((count >= jnp.maximum(warmup, 1))
+                     & (count % period == j) & gate,
                      lambda s, l=layers: refresh(s, l), keep, new)
   return new, gate
 
@@ -168,7 +173,8 @@ def update_curvature(estimator: estimator_lib.FisherEstimator, *,
                      cov_update_period: int = 1,
                      inverse_update_period: int = 5,
                      stagger_inverse_updates: bool = False,
-                     seed: int = 0) -> optax.GradientTransformationExtraArgs:
+                     seed: int = 0, inverse_update_warmup: int = 0,
+                     ) -> optax.GradientTransformationExtraArgs:
   """Periodic statistics updates and cache refreshes of a K-FAC estimate.
 
   .. math::
@@ -207,13 +213,17 @@ def update_curvature(estimator: estimator_lib.FisherEstimator, *,
       slice of the blocks at every step (round robin), so no step pays for
       all refreshes at once.
     seed: seed of the sampling key kept in the state.
+    inverse_update_warmup: refresh the damped powers at each of the first
+      this many applied steps too (0: none; :func:`kfac` uses 20), as
+      :func:`~kfac_jax_lite.step_rules.refresh_due` says.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`CurvatureState`.
 
   Raises:
-    ValueError: for a period below 1 or a negative ``damping``; at
+    ValueError: for a period below 1, a negative ``damping`` or
+      ``inverse_update_warmup``; at
       ``update``, with neither or both of ``batch`` and ``stats``.
 
   Example:
@@ -227,6 +237,7 @@ def update_curvature(estimator: estimator_lib.FisherEstimator, *,
   check_period("cov_update_period", cov_update_period)
   check_period("inverse_update_period", inverse_update_period)
   check_nonnegative("damping", damping)
+  step_rules.check_warmup(inverse_update_warmup)
 
   def init_fn(params):
     # Distinct arrays per field: a shared buffer cannot be donated twice.
@@ -268,7 +279,7 @@ def update_curvature(estimator: estimator_lib.FisherEstimator, *,
     lam = jnp.asarray(lam, linalg.factor_dtype())
     est_state, do_inv = _refresh(est, inverse_update_period,
                                  stagger_inverse_updates, count, est_state,
-                                 lam, finite)
+                                 lam, finite, inverse_update_warmup)
     one = lambda b: b.astype(jnp.int32)  # noqa: E731
     return updates, CurvatureState(
         count=count + one(finite), rng=jnp.where(finite, next_rng, state.rng),

@@ -335,7 +335,8 @@ def test_kfac_is_the_chain_it_is_built_from(problem):
   a skipped step included."""
   params, batches, c = problem
   lr = optax.linear_schedule(0.1, 0.05, 4)
-  kw = dict(damping=1e-2, inverse_update_period=2, norm_constraint=1e-2)
+  kw = dict(damping=1e-2, inverse_update_period=2, norm_constraint=1e-2,
+            inverse_update_warmup=3)
   fused = kl.kfac(lr, c, momentum=0.8, weight_decay=1e-3, **kw)
   chain = kl.skip_nonfinite(optax.chain(
       kl.scale_by_kfac(c, learning_rate=lr, **kw),

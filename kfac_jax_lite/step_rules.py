@@ -1,0 +1,71 @@
+"""The rules that keep :func:`~kfac_jax_lite.kfac`'s steps bounded.
+
+* KL clipping (Ba, Grosse & Martens 2017, sec. 5): the preconditioned
+  gradient is scaled so that the step's KL under the quadratic model is at
+  most ``C`` (:func:`kl_clip_coefficient`).
+* The refresh warm-up: the damped inverses are refreshed at every one of
+  the first ``w`` steps, then every ``p`` steps (:func:`refresh_due`).
+  Early in training the factors change fastest, and an inverse kept for
+  ``p`` steps sends the gradient into directions it scales by up to
+  ``1/λ``: ``gᵀF̂⁻¹g`` then grows by orders of magnitude within a period
+  and KL clipping shrinks the step to nothing. Fresh inverses keep
+  ``gᵀF̂⁻¹g`` the size it has in the current curvature.
+
+Why these defaults, with the measurements: docs/guides/tuning.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.core  # jax.core.Tracer
+import jax.numpy as jnp
+
+from kfac_jax_lite import trees
+
+# ``kfac``'s default KL-clipping bound ``C`` (``norm_constraint``): the
+# ``kl_clip`` default of the PyTorch K-FAC implementations and ACKTR's
+# trust radius.
+DEFAULT_NORM_CONSTRAINT = 1e-3
+
+# ``kfac``'s default refresh warm-up (``inverse_update_warmup``): the
+# damped inverses are refreshed at each of the first 20 steps.
+DEFAULT_INVERSE_UPDATE_WARMUP = 20
+
+
+def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
+  """KL clipping (Ba, Grosse & Martens 2017, sec. 5).
+
+  .. math:: \\nu = \\min\\left(1, \\sqrt{\\frac{C}{\\alpha^2\\, g^T \\hat F^{-1} g}}
+    \\right)
+
+  ``α²ν²gᵀF̂⁻¹g`` is the step's KL under the quadratic model (TF K-FAC's
+  ``norm_constraint``; :func:`kfac` uses ``C = 1e-3`` by default).
+  Returns ``ν`` (1 when the constraint is inactive or ``gᵀF̂⁻¹g <= 0``).
+  """
+  sq = trees.inner_products((direction, grads), ((0, 1),))[0]
+  sq = learning_rate ** 2 * sq
+  return jnp.where(sq > 0, jnp.minimum(1.0, jnp.sqrt(
+      norm_constraint / jnp.where(sq > 0, sq, 1.0))), 1.0)
+
+
+def check_warmup(value):
+  """``inverse_update_warmup`` is an int >= 0 (a number of steps), or an
+  integer scalar array (under ``optax.inject_hyperparams``)."""
+  if isinstance(value, (jax.Array, jax.core.Tracer)) and jnp.issubdtype(
+      value.dtype, jnp.integer) and value.shape == ():
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(
+        f"inverse_update_warmup={value!r} must be an int >= 0: the number "
+        "of first steps that refresh the inverses at every step (0: none), "
+        "e.g. inverse_update_warmup=20.")
+
+
+def refresh_due(count, period, warmup):
+  """Whether step ``count`` refreshes the damped inverses.
+
+  .. math:: \\mathrm{count} < w \\ \\lor\\ \\mathrm{count} \\bmod p = 0
+
+  (``w = warmup``, ``p = period``; ``w = 0`` is the plain period).
+  """
+  return ((count % period) == 0) | (count < warmup)
