@@ -17,7 +17,6 @@ Why these defaults, with the measurements: docs/guides/tuning.md.
 from __future__ import annotations
 
 import jax
-import jax.core  # jax.core.Tracer
 import jax.numpy as jnp
 
 from kfac_jax_lite import trees
@@ -51,7 +50,8 @@ def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
 def check_warmup(value):
   """``inverse_update_warmup`` is an int >= 0 (a number of steps), or an
   integer scalar array (under ``optax.inject_hyperparams``)."""
-  if isinstance(value, (jax.Array, jax.core.Tracer)) and jnp.issubdtype(
+  # A tracer is a jax.Array too.
+  if isinstance(value, jax.Array) and jnp.issubdtype(
       value.dtype, jnp.integer) and value.shape == ():
     return
   if isinstance(value, bool) or not isinstance(value, int) or value < 0:
