@@ -498,8 +498,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
 
   Raises:
     ValueError: for a negative ``momentum``, ``weight_decay`` or
-      ``norm_constraint``, an ``inverse_update_warmup`` that is not an int
-      >= 0, and as :func:`scale_by_kfac`.
+      ``norm_constraint``, an ``inverse_update_warmup`` that is not a
+      non-negative int, and as :func:`scale_by_kfac`.
     TypeError: for a ``norm_constraint`` that is not a number, a scalar
       array or a schedule.
 
