@@ -78,19 +78,13 @@ def own_stats(estimator, data: dict) -> dict:
   """``{layer: statistics}`` of one device's layers from their whole
   ``LayerData`` (``data``): the members of a group one ``vmap``, as
   without a mesh (:func:`grouping.group_stats`)."""
-  est, out = estimator, {}
-  for g in est.groups:
-    own = tuple(i for i in g if i in data)
-    if not own:
-      continue
-    res = grouping.group_stats(est.blocks, (own,), data)[0]
-    if len(own) == 1:
-      out[own[0]] = res
-    elif isinstance(res, grouping.Unstacked):
-      out.update(zip(own, res.members))
-    else:
-      out.update(zip(own, grouping.unstack(res, len(own))))
-  return out
+  est = estimator
+  groups = [own for own in (tuple(i for i in g if i in data)
+                            for g in est.groups) if own]
+  layers = grouping.per_layer(
+      groups, grouping.group_stats(est.blocks, groups, data),
+      len(est.blocks))
+  return {i: layers[i] for g in groups for i in g}
 
 
 def ema_on_owners(estimator, plan, names, stats: StatsInputs, decay, ema):
