@@ -12,8 +12,9 @@ after ``--``), AdamW (``weight_decay=0.01``, constant rate, best of
 A config is ``name:key=value,...`` with keys ``lr``, ``b1``, ``b2``,
 ``period`` (refresh), ``decay`` (factor EMA), ``rotate`` (0/1: carry the
 second moments), ``frac`` (stats fraction), ``wd``, ``warmup`` (linear
-warm-up steps), ``kind`` (``soap``, ``adamw`` for ``kfac_adamw``, or
-``plain`` for ``optax.adamw`` itself, to time it beside the others).
+warm-up steps), ``basis`` (``qr`` or ``eigh``: ``basis_update``),
+``kind`` (``soap``, ``adamw`` for ``kfac_adamw``, or ``plain`` for
+``optax.adamw`` itself, to time it beside the others).
 
 Run::
 
@@ -38,7 +39,7 @@ import char_gpt  # noqa: E402  pylint: disable=g-import-not-at-top
 
 KEYS = {"lr": float, "b1": float, "b2": float, "period": int,
         "decay": float, "rotate": int, "frac": float, "wd": float,
-        "warmup": int, "kind": str}
+        "warmup": int, "kind": str, "basis": str}
 
 
 def parse_config(text: str) -> tuple:
@@ -63,7 +64,7 @@ def make_tx(cfg: dict, collection):
     return optax.adamw(lr, weight_decay=0.01)
   keys = dict(b1="b1", b2="b2", period="refresh_period",
               decay="cov_ema_decay", frac="stats_fraction",
-              wd="weight_decay")
+              wd="weight_decay", basis="basis_update")
   kw = {keys[k]: v for k, v in cfg.items() if k in keys}
   return kfac_jax_lite.kfac_soap(
       lr, collection, rotate_second_moments=bool(cfg.get("rotate", 0)),

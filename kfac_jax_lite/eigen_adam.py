@@ -55,6 +55,7 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from kfac_jax_lite import eigen_basis
 from kfac_jax_lite import estimator as estimator_lib
 from kfac_jax_lite import grouping
 from kfac_jax_lite import linearization
@@ -108,8 +109,10 @@ def _basis(state):
   return state.cache.get("a_eigvec"), state.cache.get("g_eigvec")
 
 
-def carry_moments(mu, nu, old, new, rotate_nu: bool):
-  """``(R_Aᵀ M R_G, V or (R_A²)ᵀ V R_G²)`` with ``R = Q_oldᵀ Q_new``."""
+def carry_moments(mu, nu, old, new, rotate_nu: bool, orders=(None, None)):
+  """``(R_Aᵀ M R_G, V or (R_A²)ᵀ V R_G²)`` with ``R = Q_oldᵀ Q_new``; ``V``
+  kept has its rows and columns taken in ``orders`` (the columns of
+  ``Q_new`` that continue those of ``Q_old``, None: in place)."""
   (oa, og), (na, ng) = _basis(old), _basis(new)
   ra = None if na is None else oa.T @ na
   rg = None if ng is None else og.T @ ng
@@ -118,7 +121,10 @@ def carry_moments(mu, nu, old, new, rotate_nu: bool):
   if rotate_nu:
     nu = nu if ra is None else jnp.square(ra).T @ nu
     nu = nu if rg is None else nu @ jnp.square(rg)
-  return mu, nu
+    return mu, nu
+  order_a, order_g = orders
+  nu = nu if order_a is None else jnp.take(nu, order_a, axis=0)
+  return mu, nu if order_g is None else jnp.take(nu, order_g, axis=1)
 
 
 def _into(m, ua, ug):
@@ -225,6 +231,7 @@ def scale_by_kfac_eigen_adam(
     rotate_second_moments: bool = False, axis_name: Any = None,
     seed: int = 0,
     estimator: Optional[estimator_lib.FisherEstimator] = None,
+    basis_update: str = "qr",
 ) -> optax.GradientTransformationExtraArgs:
   """Adam in the Kronecker eigenbasis of K-FAC's factors (see the module
   docstring for the math).
@@ -257,6 +264,11 @@ def scale_by_kfac_eigen_adam(
       ``damping_type="exact"`` for its other options (``stats_fraction``,
       ``estimation_mode``, ...); ``cov_ema_decay`` and ``axis_name`` are
       then set on it.
+    basis_update: how a refresh after the first moves the basis:
+      ``"qr"``, one step of orthogonal iteration from the current basis
+      (:func:`~kfac_jax_lite.linalg.power_basis_step`, SOAP's update), or
+      ``"eigh"``, a new eigendecomposition. The first refresh is an
+      ``eigh`` either way.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -266,7 +278,8 @@ def scale_by_kfac_eigen_adam(
   Raises:
     ValueError: for ``b1``, ``b2`` or ``cov_ema_decay`` outside ``[0,
       1)``, ``eps <= 0``, a period below 1, a non-bool
-      ``rotate_second_moments``, an ``estimator`` without
+      ``rotate_second_moments``, a ``basis_update`` other than ``"qr"``
+      and ``"eigh"``, an ``estimator`` without
       ``damping_type="exact"``; at ``update``, without ``params``.
 
   Example:
@@ -283,11 +296,14 @@ def scale_by_kfac_eigen_adam(
   if not isinstance(rotate_second_moments, bool):
     raise ValueError(f"rotate_second_moments={rotate_second_moments!r} must "
                      "be True or False.")
+  eigen_basis.check_basis_update(basis_update)
   est = eigen_estimator(collection, estimator, axis_name, cov_ema_decay)
-  curvature = update_curvature(est, damping=0.0,
-                               cov_update_period=cov_update_period,
-                               inverse_update_period=refresh_period,
-                               seed=seed)
+  power = basis_update == "qr"
+  # With "qr" the estimator's refresh (an eigh) runs at the first applied
+  # step only: count % (2³¹ - 1) is 0 there and never again.
+  curvature = update_curvature(
+      est, damping=0.0, cov_update_period=cov_update_period,
+      inverse_update_period=eigen_basis.ONCE if power else refresh_period, seed=seed)
   lay = _layout(est)
 
   def update_fn(updates, state, params=None, *, batch=None, stats=None,
@@ -308,9 +324,14 @@ def scale_by_kfac_eigen_adam(
     count = jnp.asarray(optax.safe_increment(state.count))
     refreshed = cstate.num_inverse_updates > (
         state.curvature.num_inverse_updates)
+    orders = {}
+    if power:
+      cstate, moved, orders = eigen_basis.power_update(
+          est, lay.groups, state.curvature.count, cstate, refresh_period)
+      refreshed = refreshed | moved
     outs, mu, nu = _rotated_step(est, lay, state, cstate, inputs, count,
                                  refreshed, (b1, b2, eps),
-                                 rotate_second_moments)
+                                 rotate_second_moments, orders)
     rest_mu, rest_nu, rest_out = [], [], []
     for i, m, v in zip(lay.rest, state.rest_mu, state.rest_nu):
       g = inputs.leaves[i]
@@ -335,7 +356,7 @@ def scale_by_kfac_eigen_adam(
 
 
 def _rotated_step(est, lay, state, cstate, inputs, count, refreshed, hyper,
-                  rotate_nu):
+                  rotate_nu, orders):
   """The rotated groups' new moments and each rotated layer's parameter
   tuple (None for the other layers)."""
   b1, b2, eps = hyper
@@ -346,12 +367,13 @@ def _rotated_step(est, lay, state, cstate, inputs, count, refreshed, hyper,
     block = est.blocks[g[0]]
 
     def carry(args, g=g):
-      m, v, o, s = args
-      fn = lambda m, v, o, s: carry_moments(m, v, o, s, rotate_nu)  # noqa
-      return jax.vmap(fn)(m, v, o, s) if len(g) > 1 else fn(m, v, o, s)
+      m, v, o, s, k = args
+      fn = lambda m, v, o, s, k: carry_moments(m, v, o, s, rotate_nu, k)  # noqa
+      return jax.vmap(fn)(m, v, o, s, k) if len(g) > 1 else fn(m, v, o, s, k)
 
     m, v = lax.cond(refreshed, carry, lambda a: a[:2],
-                    (state.mu[name], state.nu[name], old[name], new[name]))
+                    (state.mu[name], state.nu[name], old[name], new[name],
+                     orders.get(name, (None, None))))
 
     rot = grouping.map_group(lambda b, s, x: _into(x, *_basis(s)), block,
                              len(g), new[name], inputs.per_group[j])
@@ -407,6 +429,7 @@ def kfac_soap(learning_rate: ScalarOrSchedule,
               stats_fraction: float = 0.125,
               rotate_second_moments: bool = False, seed: int = 0,
               estimator: Optional[estimator_lib.FisherEstimator] = None,
+              basis_update: str = "qr",
               ) -> optax.GradientTransformationExtraArgs:
   """SOAP with K-FAC's statistics: AdamW in the factors' eigenbasis.
 
@@ -444,6 +467,8 @@ def kfac_soap(learning_rate: ScalarOrSchedule,
     rotate_second_moments: see :func:`scale_by_kfac_eigen_adam`.
     seed: seed of K-FAC's sampling key.
     estimator: see :func:`scale_by_kfac_eigen_adam`.
+    basis_update: ``"qr"`` or ``"eigh"``, see
+      :func:`scale_by_kfac_eigen_adam`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` of descent updates; steps
@@ -465,7 +490,7 @@ def kfac_soap(learning_rate: ScalarOrSchedule,
       collection, b1=b1, b2=b2, eps=eps, refresh_period=refresh_period,
       cov_ema_decay=cov_ema_decay,
       rotate_second_moments=rotate_second_moments, seed=seed,
-      estimator=estimator)
+      estimator=estimator, basis_update=basis_update)
   if stats_fraction < 1.0:
     direction = statistics_from_head(direction, stats_fraction)
   return skip_nonfinite(optax.chain(

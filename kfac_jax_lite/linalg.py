@@ -78,6 +78,39 @@ def eigh(m):
 
 
 @_xla_cpu.sequential_under_vmap
+def qr_q(m):
+  """``Q`` of the reduced QR decomposition of ``m`` (``vmap`` as
+  :func:`cholesky`)."""
+  return jnp.linalg.qr(m)[0]
+
+
+def power_basis_step(f, q):
+  """One step of orthogonal iteration towards the eigenbasis of ``f``.
+
+  The columns of the orthonormal ``q`` are first sorted by their Rayleigh
+  quotients :math:`r_i = q_i^T f q_i`, largest first, then
+  :math:`q' = \\mathrm{qr}(f q)`: the leading ``k`` columns of ``q'`` span
+  ``f``'s ``k``-dimensional power-iteration subspace (Golub & Van Loan,
+  "Matrix Computations", sec. 8.2.4; SOAP's basis update, Vyas et al.
+  2024, Algorithm 4). From an eigenbasis of ``f`` it returns that basis,
+  up to the columns' signs, in descending order.
+
+  Args:
+    f: a symmetric PSD ``[d, d]`` factor.
+    q: its previous basis, ``[d, d]`` orthonormal.
+
+  Returns:
+    ``(q', order, r)``: the new basis, the permutation ``order`` (column
+    ``i`` of ``q'`` continues column ``order[i]`` of ``q``) and the sorted
+    quotients, clipped at 0 (eigenvalue estimates).
+  """
+  fq = _mm(symmetrize(f.astype(factor_dtype())), q)
+  quotients = jnp.sum(q * fq, axis=0)
+  order = jnp.argsort(-quotients)
+  return qr_q(fq[:, order]), order, jnp.maximum(quotients[order], 0.0)
+
+
+@_xla_cpu.sequential_under_vmap
 def solve(a, b):
   """``jnp.linalg.solve`` (LU) (``vmap`` as :func:`cholesky`)."""
   return jnp.linalg.solve(a, b)

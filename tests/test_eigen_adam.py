@@ -60,12 +60,22 @@ def _run(tx, params, batches):
   return dirs, states
 
 
-def _reference(grads, factors, period, rotate_nu):
+def _power_step(f, q):
+  """SOAP's basis update (its Algorithm 4): the columns of ``q`` sorted by
+  ``diag(qᵀ f q)``, largest first, then ``qr(f q)``; and that order."""
+  order = np.argsort(-np.diag(q.T @ f @ q), kind="stable")
+  return np.linalg.qr(f @ q[:, order])[0], order
+
+
+def _reference(grads, factors, period, rotate_nu, basis):
   """SOAP's Algorithm 1 on one layer's ``[d_a, d_g]`` gradients.
 
   ``factors[t]``: the ``(A, G)`` the state held after step ``t``; the basis
-  is their eigenvectors at steps ``0, p, 2p, ...``. ``M`` is kept in the
-  parameters' coordinates and rotated in every step; ``V`` in the basis.
+  is their eigenvectors at step 0, and at steps ``p, 2p, ...`` their
+  eigenvectors again (``basis="eigh"``) or one :func:`_power_step` from
+  the last basis (``"qr"``; ``V``'s rows and columns follow the sort when
+  it is not rotated). ``M`` is kept in the parameters' coordinates and
+  rotated in every step; ``V`` in the basis.
   """
   m = np.zeros_like(grads[0])
   v = np.zeros_like(grads[0])
@@ -73,7 +83,12 @@ def _reference(grads, factors, period, rotate_nu):
   out = []
   for t, (g, (a, gf)) in enumerate(zip(grads, factors)):
     if t % period == 0:
-      na, ng = np.linalg.eigh(a)[1], np.linalg.eigh(gf)[1]
+      if qa is None or basis == "eigh":
+        na, ng = np.linalg.eigh(a)[1], np.linalg.eigh(gf)[1]
+      else:
+        (na, oa), (ng, og) = _power_step(a, qa), _power_step(gf, qg)
+        if not rotate_nu:
+          v = v[oa][:, og]
       if qa is not None and rotate_nu:
         v = np.square(qa.T @ na).T @ v @ np.square(qg.T @ ng)
       qa, qg = na, ng
@@ -85,12 +100,13 @@ def _reference(grads, factors, period, rotate_nu):
   return out
 
 
+@pytest.mark.parametrize("basis", ["qr", "eigh"])
 @pytest.mark.parametrize("rotate_nu", [False, True])
-def test_rotated_moments_match_a_dense_reference(rotate_nu):
+def test_rotated_moments_match_a_dense_reference(rotate_nu, basis):
   params, batches, c = _problem()
   tx = kl.scale_by_kfac_eigen_adam(
       c, b1=B1, b2=B2, eps=EPS, refresh_period=2, cov_ema_decay=0.5,
-      rotate_second_moments=rotate_nu)
+      rotate_second_moments=rotate_nu, basis_update=basis)
   assert kl.rotated_layers(c) == tuple(
       c.layers[i].name for i in (0, 2))
   dirs, states = _run(tx, params, batches)
@@ -102,7 +118,7 @@ def test_rotated_moments_match_a_dense_reference(rotate_nu):
         [f64(g[key]["w"]), f64(g[key]["b"])[None]]) for g in grads]
     facts = [(f64(s.curvature.estimator.blocks[layer].a),
               f64(s.curvature.estimator.blocks[layer].g)) for s in states]
-    want = _reference(gmat, facts, 2, rotate_nu)
+    want = _reference(gmat, facts, 2, rotate_nu, basis)
     for t, d in enumerate(dirs):
       got = f64(d[key]["w"])
       if bias:
@@ -114,6 +130,38 @@ def test_rotated_moments_match_a_dense_reference(rotate_nu):
   for g, d in zip(grads, dirs):
     want, st = adam.update(g["scale"], st)
     np.testing.assert_allclose(d["scale"], want, rtol=1e-6)
+
+
+def _spd(d, seed):
+  """A symmetric PSD ``[d, d]`` matrix with eigenvalues ``1, 2, ..., d``
+  and its eigenvectors (columns)."""
+  q = np.linalg.qr(np.random.default_rng(seed).normal(size=(d, d)))[0]
+  return (q * np.arange(1.0, d + 1)) @ q.T, q
+
+
+def test_power_basis_step_keeps_an_eigenbasis_and_sorts_it():
+  f, q = _spd(6, 0)
+  new, order, r = kl.linalg.power_basis_step(jnp.asarray(f, jnp.float32),
+                                             jnp.asarray(q, jnp.float32))
+  np.testing.assert_array_equal(order, np.arange(6)[::-1])
+  np.testing.assert_allclose(r, np.arange(6.0, 0, -1), rtol=1e-5)
+  # The same columns, largest eigenvalue first, up to their signs.
+  np.testing.assert_allclose(np.abs(np.sum(np.asarray(new) * q[:, ::-1], 0)),
+                             np.ones(6), rtol=1e-5)
+
+
+def test_power_basis_steps_converge_to_the_eigenbasis():
+  """Orthogonal iteration from a random basis: each column's Rayleigh
+  quotient reaches its eigenvalue (ratios ``λ_{i+1}/λ_i`` at most 5/6)."""
+  f, q = _spd(6, 1)
+  basis = jnp.asarray(np.linalg.qr(
+      np.random.default_rng(2).normal(size=(6, 6)))[0], jnp.float32)
+  step = jax.jit(kl.linalg.power_basis_step)
+  for _ in range(300):
+    basis, _, r = step(jnp.asarray(f, jnp.float32), basis)
+  np.testing.assert_allclose(r, np.arange(6.0, 0, -1), rtol=1e-3)
+  np.testing.assert_allclose(np.abs(np.sum(np.asarray(basis) * q[:, ::-1],
+                                           0)), np.ones(6), atol=1e-3)
 
 
 def test_second_moments_are_those_of_the_rotated_gradients():
@@ -222,6 +270,7 @@ def test_data_parallel_matches_one_device():
     (dict(cov_update_period=2.5), ["cov_update_period=2.5", "positive"]),
     (dict(rotate_second_moments="yes"), ["rotate_second_moments='yes'",
                                          "True or False"]),
+    (dict(basis_update="QR"), ["basis_update='QR'", "'qr'", "'eigh'"]),
 ])
 def test_bad_arguments_name_the_argument_and_value(kwargs, words):
   _, _, c = _problem(1)
