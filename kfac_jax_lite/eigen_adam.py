@@ -231,7 +231,7 @@ def scale_by_kfac_eigen_adam(
     rotate_second_moments: bool = False, axis_name: Any = None,
     seed: int = 0,
     estimator: Optional[estimator_lib.FisherEstimator] = None,
-    basis_update: str = "qr",
+    basis_update: str = "eigh",
 ) -> optax.GradientTransformationExtraArgs:
   """Adam in the Kronecker eigenbasis of K-FAC's factors (see the module
   docstring for the math).
@@ -265,10 +265,11 @@ def scale_by_kfac_eigen_adam(
       ``estimation_mode``, ...); ``cov_ema_decay`` and ``axis_name`` are
       then set on it.
     basis_update: how a refresh after the first moves the basis:
-      ``"qr"``, one step of orthogonal iteration from the current basis
-      (:func:`~kfac_jax_lite.linalg.power_basis_step`, SOAP's update), or
-      ``"eigh"``, a new eigendecomposition. The first refresh is an
-      ``eigh`` either way.
+      ``"eigh"``, a new eigendecomposition, or ``"qr"``, one step of
+      orthogonal iteration from the current basis
+      (:func:`~kfac_jax_lite.linalg.power_basis_step`, SOAP's update:
+      cheaper per refresh, a larger program; docs/kfac_soap.md compares
+      them). The first refresh is an ``eigh`` either way.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -429,7 +430,7 @@ def kfac_soap(learning_rate: ScalarOrSchedule,
               stats_fraction: float = 0.125,
               rotate_second_moments: bool = False, seed: int = 0,
               estimator: Optional[estimator_lib.FisherEstimator] = None,
-              basis_update: str = "qr",
+              basis_update: str = "eigh",
               ) -> optax.GradientTransformationExtraArgs:
   """SOAP with K-FAC's statistics: AdamW in the factors' eigenbasis.
 

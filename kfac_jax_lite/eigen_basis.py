@@ -1,10 +1,11 @@
 """How :func:`~kfac_jax_lite.scale_by_kfac_eigen_adam` moves its
 Kronecker eigenbases at a refresh after the first.
 
-SOAP (Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using
-Adam", arXiv:2409.11321, Algorithm 4) does not eigendecompose its factors
-again at each refresh: it takes one step of orthogonal (subspace)
-iteration from the basis it has. For a factor ``F`` and the basis ``Q``
+With ``basis_update="qr"`` it does as SOAP (Vyas et al. 2024, "SOAP:
+Improving and Stabilizing Shampoo using Adam", arXiv:2409.11321,
+Algorithm 4): instead of eigendecomposing its factors again at each
+refresh, it takes one step of orthogonal (subspace) iteration from the
+basis it has. For a factor ``F`` and the basis ``Q``
 (orthonormal columns),
 
 .. math::
@@ -17,7 +18,8 @@ one QR, a few ``d³`` flops, against an ``eigh``'s iterations
 estimator's ``eigh``; Adam's second moments follow the sort:
 ``V ← V_{π_A, π_G}``.
 
-``basis_update="eigh"`` keeps a new eigendecomposition at every refresh.
+The default, ``basis_update="eigh"``, eigendecomposes the factors again
+at every refresh.
 """
 
 from __future__ import annotations

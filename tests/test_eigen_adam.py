@@ -189,9 +189,11 @@ def _bytes_round_trip(tree):
       jnp.asarray(np.frombuffer(b, dt).reshape(s)) for b, dt, s in raw])
 
 
-def test_checkpoint_and_resume_is_bitwise():
+@pytest.mark.parametrize("basis", ["eigh", "qr"])
+def test_checkpoint_and_resume_is_bitwise(basis):
   params, batches, c = _problem(6)
-  tx = kl.kfac_soap(1e-2, c, refresh_period=2, stats_fraction=1.0)
+  tx = kl.kfac_soap(1e-2, c, refresh_period=2, stats_fraction=1.0,
+                    basis_update=basis)
   step = jax.jit(lambda p, s, b: tx.update(jax.grad(_loss)(p, b), s, p,
                                            batch=b))
 
