@@ -69,22 +69,10 @@ def _kept_bases(groups, stacked) -> dict:
   return out
 
 
-@_blas_threads.limited  # One LAPACK thread: docs/performance.md.
-def power_update(est, groups, count, cstate, period):
-  """Moves the rotated bases one orthogonal-iteration step at each applied
-  step ``count`` that is a positive multiple of ``period`` (the first
-  refresh, at step 0, is the estimator's ``eigh``).
-
-  Returns:
-    ``(cstate, moved, orders)``: the new curvature state, whether the
-    bases moved, and group name -> ``(order_A, order_G)``.
-  """
-  due = cstate.last_finite & (count > 0) & (count % period == 0)
-  stacked = cstate.estimator.stacked
-  with jax.named_scope("kfac_refresh"):
-    bases = lax.cond(due, lambda s: _power_bases(est, groups, s),
-                     lambda s: _kept_bases(groups, s), stacked)
-  stacked, orders = dict(stacked), {}
+def _with_bases(est_state, bases):
+  """``(est_state, orders)``: ``bases`` written into the caches, and group
+  name -> ``(order_A, order_G)``."""
+  stacked, orders = dict(est_state.stacked), {}
   for name, sides in bases.items():
     cache = dict(stacked[name].cache)
     for side, (q, _, r) in sides.items():
@@ -92,7 +80,34 @@ def power_update(est, groups, count, cstate, period):
     stacked[name] = stacked[name]._replace(cache=cache)
     orders[name] = tuple(sides[k][1] if k in sides else None
                          for k in ("a", "g"))
-  est_state = cstate.estimator._replace(stacked=stacked)
+  return est_state._replace(stacked=stacked), orders
+
+
+@_blas_threads.limited  # One LAPACK thread: docs/performance.md.
+def power_update(est, groups, count, cstate, period):
+  """Moves the rotated bases one orthogonal-iteration step at each applied
+  step ``count`` that is a positive multiple of ``period`` (the first
+  refresh, at step 0, is the estimator's ``eigh``).
+
+  With ``stats_sync="before_refresh"`` the factors are first averaged over
+  the estimator's axis, as its own refresh does, so every replica moves
+  the same bases.
+
+  Returns:
+    ``(cstate, moved, orders)``: the new curvature state, whether the
+    bases moved, and group name -> ``(order_A, order_G)``.
+  """
+  due = cstate.last_finite & (count > 0) & (count % period == 0)
+
+  def move(s):
+    if est.stats_sync == "before_refresh":
+      s = est.sync_factors(s)
+    return _with_bases(s, _power_bases(est, groups, s.stacked))
+
+  with jax.named_scope("kfac_refresh"):
+    est_state, orders = lax.cond(
+        due, move, lambda s: _with_bases(s, _kept_bases(groups, s.stacked)),
+        cstate.estimator)
   return cstate._replace(
       estimator=est_state, num_inverse_updates=(
           cstate.num_inverse_updates + due.astype(jnp.int32))), due, orders

@@ -230,7 +230,8 @@ def test_skips_a_nonfinite_step_and_keeps_its_moments():
     np.testing.assert_array_equal(x, y)
 
 
-def test_data_parallel_matches_one_device():
+@pytest.mark.parametrize("basis", ["eigh", "qr"])
+def test_data_parallel_matches_one_device(basis):
   """shard_map over 4 devices (a quarter of the batch each, gradients
   averaged, factors averaged over the axis) gives the one-device run."""
   params, batches, c = _problem(4, batch_size=32)
@@ -239,7 +240,7 @@ def test_data_parallel_matches_one_device():
     est = kl.FisherEstimator(c, damping_type="exact", axis_name=axis,
                              estimation_mode="empirical")
     return kl.scale_by_kfac_eigen_adam(None, refresh_period=2,
-                                       estimator=est)
+                                       estimator=est, basis_update=basis)
 
   with helpers.on_replica_devices(4) as devices:
     mesh = Mesh(np.array(devices), ("d",))
@@ -261,6 +262,41 @@ def test_data_parallel_matches_one_device():
   helpers.assert_trees_close(
       [state.mu, state.nu], [want_states[-1].mu, want_states[-1].nu],
       rtol=1e-4)
+
+
+def test_qr_bases_move_alike_when_factors_sync_before_refresh():
+  """``stats_sync="before_refresh"`` under ``pmap`` (each replica folds its
+  own quarter of the batch): the QR step averages the factors first, as
+  the ``eigh`` refresh does, so every replica moves the same bases, and
+  those of one device fed the whole batch (the EMA is linear)."""
+  params, batches, c = _problem(5, batch_size=32)
+
+  def make(axis, sync):
+    est = kl.FisherEstimator(c, damping_type="exact", axis_name=axis,
+                             estimation_mode="empirical", stats_sync=sync)
+    return kl.scale_by_kfac_eigen_adam(None, refresh_period=2,
+                                       estimator=est, basis_update="qr")
+
+  _, want = _run(make(None, "every_update"), params, batches)
+  with helpers.on_replica_devices(4) as devices:
+    tx = make("d", "before_refresh")
+
+    def step(state, batch):
+      g = lax.pmean(jax.grad(_loss)(params, batch), "d")
+      return tx.update(g, state, params, batch=batch)[1]
+
+    fn = jax.pmap(step, axis_name="d", devices=devices)
+    state = jax.tree.map(lambda x: jnp.stack([x] * 4), tx.init(params))
+    for b in batches:
+      state = fn(state, jax.tree.map(
+          lambda x: x.reshape((4, -1) + x.shape[1:]), b))
+  assert int(state.curvature.num_inverse_updates[0]) == 3
+  for layer in (0, 2):
+    for key in ("a_eigvec", "g_eigvec"):
+      got = np.asarray(state.curvature.estimator.blocks[layer].cache[key])
+      ref = np.asarray(want[-1].curvature.estimator.blocks[layer].cache[key])
+      for r in range(4):
+        np.testing.assert_allclose(np.abs(got[r]), np.abs(ref), atol=1e-4)
 
 
 @pytest.mark.parametrize("kwargs,words", [
