@@ -245,6 +245,7 @@ class Layout:
   treedefs: tuple     # per layer, its state's structure
   slots: tuple        # per layer, one Slot per leaf
   widths: dict        # dtype -> L_dtype
+  rewritten: tuple = ()  # per layer, per leaf: a refresh rewrites it
 
   def pack(self, device: int, states: dict) -> dict:
     """``{dtype: [L]}``, the row of ``device`` from its layers' states."""
@@ -301,6 +302,18 @@ class Layout:
               s.offset - spans[s.dtype][0], 0)
     return out
 
+  def keep_unrefreshed(self, old: dict, new: dict) -> dict:
+    """``new`` (``{layer: refreshed state}``) with the leaves a refresh
+    leaves alone (:func:`refreshed_leaves`) taken from ``old``: a batched
+    refresh returns them as new arrays of the same values, which would
+    widen the refresh's window (:meth:`window`) over the factors."""
+    out = {}
+    for i, state in new.items():
+      leaves = [n if f else o for n, o, f in zip(
+          jax.tree.leaves(state), jax.tree.leaves(old[i]), self.rewritten[i])]
+      out[i] = jax.tree.unflatten(self.treedefs[i], leaves)
+    return out
+
 
 def refreshed_leaves(block) -> tuple:
   """Per leaf of ``block``'s state: whether its refresh rewrites it (the
@@ -343,4 +356,4 @@ def make_layout(plan: Plan, estimator) -> Layout:
   widths = {dt: max(w, 1) for dt, w in starts.items()}
   return Layout(plan, tuple(treedefs), tuple(
       tuple(s for _, s in sorted(ss, key=lambda t: t[0])) for ss in slots),
-                dict(sorted(widths.items())))
+                dict(sorted(widths.items())), tuple(flags))

@@ -31,8 +31,8 @@ position along the axis and touches only its blocks:
 The EMA and the refresh only read the device's row inside the ``switch``
 and return the window of it they change (the factors, or the cached
 powers: :class:`~kfac_jax_lite.placement.Layout`), written back in place:
-the verbs make no copy of the row (a ``lax.cond`` around a verb, as the
-refresh schedule's, still may: XLA then copies the row for it).
+the verbs make no copy of the row, also under the ``lax.cond`` of the
+refresh schedule (the compiled step holds one row per device).
 
 Each block runs the same code as without a mesh, so the sharded step is
 the replicated one up to the rounding of the batched refresh (a device
@@ -274,8 +274,7 @@ class ShardedEstimator:
     """
     names, layout = self.axis, self.layout
 
-    def body(rows, operands):
-      rows = {dt: x[0] for dt, x in rows.items()}
+    def body(rows, operands):  # rows: {dtype: [1, L]}, this device's.
       if before is not None:
         operands = before(operands)
       spans: dict = {}
@@ -287,12 +286,16 @@ class ShardedEstimator:
             a, b = spans.get(dt, (lo, hi))
             spans[dt] = (min(a, lo), max(b, hi))
           return 0
-        jax.eval_shape(probe, rows, operands)
+        jax.eval_shape(probe, {dt: x[0] for dt, x in rows.items()}, operands)
 
       def one(r, rows, operands):
+        rows = {dt: x[0] for dt, x in rows.items()}
         old = layout.unpack(r, rows)
-        return layout.window(rows, old, branch(r, old, operands), spans)
+        new = layout.window(rows, old, branch(r, old, operands), spans)
+        return {dt: x[None] for dt, x in new.items()}
 
+      # The rows stay [1, L] around the switch: XLA copies a row that is
+      # reshaped to [L] before a conditional and written in place after.
       fns = [functools.partial(one, r) for r in range(self.num_devices)]
       if not spans:
         new = {}
@@ -300,9 +303,8 @@ class ShardedEstimator:
         new = fns[0](rows, operands)
       else:
         new = lax.switch(lax.axis_index(names), fns, rows, operands)
-      rows = {dt: x if dt not in spans else lax.dynamic_update_slice_in_dim(
-          x, new[dt], spans[dt][0], 0) for dt, x in rows.items()}
-      return {dt: x[None] for dt, x in rows.items()}
+      return {dt: x if dt not in spans else lax.dynamic_update_slice_in_dim(
+          x, new[dt], spans[dt][0], 1) for dt, x in rows.items()}
 
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=(
         self._spec, P() if specs is None else specs), out_specs=self._spec,
@@ -403,9 +405,9 @@ class ShardedEstimator:
         self.num_devices) if (own := self.plan.layers_of(r))}
 
     def branch(first, r, states, lam):
-      return self._refresh_own([i for i in states if (
-          wanted is None or i in wanted) and (i == largest[r]) == first],
-                               states, lam)
+      return self.layout.keep_unrefreshed(states, self._refresh_own(
+          [i for i in states if (wanted is None or i in wanted)
+           and (i == largest[r]) == first], states, lam))
 
     # Each device's largest block first, the others after: two windows,
     # each smaller than all the caches (the layout puts the largest

@@ -228,6 +228,28 @@ def test_no_collective_moves_the_curvature(problem, devices):
   assert width not in dims, (width, shapes)
 
 
+def test_the_step_keeps_one_row_per_device(problem, devices):
+  """The EMA and the refresh (under its schedule's cond) write their
+  windows of the row in place: the compiled step has no copy of a buffer
+  of the row's width."""
+  c = problem.scan()
+  mesh = _mesh(devices)
+  tx = kl.kfac(1e-2, c, inverse_update_period=3, mesh=mesh,
+               curvature_axis="d")
+  state = jax.jit(tx.init)(problem.params)
+  width = _curvature(state).rows["float32"].shape[1]
+
+  def step(params, state, batch):
+    grads = jax.grad(problem.loss)(params, batch)
+    return tx.update(grads, state, params, batch=batch)
+
+  batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
+  hlo = jax.jit(step, donate_argnums=1).lower(
+      problem.params, state, batch).compile().as_text()
+  copies = re.findall(rf"= f32\[(?:1,)?{width}\]\S* copy\(", hlo)
+  assert f",{width}]" in hlo and not copies, copies
+
+
 # ---- bad input --------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
     (dict(curvature_axis="d"), r"curvature_axis='d' needs mesh="),
