@@ -91,6 +91,55 @@ def check_mesh(mesh, curvature_axis, axis_name=None) -> tuple:
   return names
 
 
+def _is_spec(x) -> bool:
+  return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
+
+
+def check_param_shardings(param_shardings, names) -> None:
+  """Validates ``param_shardings=`` (``names``: :func:`check_mesh`'s).
+
+  Raises:
+    ValueError: ``param_shardings`` without ``mesh``.
+    TypeError: a leaf that is not a ``jax.sharding.Sharding`` or a
+      ``PartitionSpec``.
+  """
+  if param_shardings is None:
+    return
+  if not names:
+    raise ValueError(
+        "param_shardings=... is given without mesh= and curvature_axis=; "
+        "it says how the preconditioned update leaves the curvature's "
+        "owners: pass mesh= and curvature_axis= too, or drop it.")
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      param_shardings, is_leaf=_is_spec)[0]:
+    if not _is_spec(x):
+      raise TypeError(
+          f"param_shardings{jax.tree_util.keystr(path)}={x!r} is a "
+          f"{type(x).__name__}; pass a pytree like params of shardings "
+          "(or PartitionSpecs of mesh=), e.g. "
+          "jax.tree.map(lambda x: x.sharding, params).")
+
+
+def param_layout(mesh, param_shardings, tree):
+  """``param_shardings`` as a pytree of ``NamedSharding`` over ``mesh``
+  (``PartitionSpec`` leaves completed with it), checked against the
+  structure of ``tree`` (params-shaped).
+
+  Raises:
+    ValueError: the structures differ.
+  """
+  leaves, treedef = jax.tree.flatten(param_shardings, is_leaf=_is_spec)
+  want = jax.tree.structure(tree)
+  if treedef != want:
+    raise ValueError(
+        f"param_shardings= has the structure {treedef}, but the updates "
+        f"have {want}; pass one sharding per parameter leaf, e.g. "
+        "jax.tree.map(lambda x: x.sharding, params).")
+  return jax.tree.unflatten(treedef, [
+      x if isinstance(x, jax.sharding.Sharding) else
+      jax.sharding.NamedSharding(mesh, x) for x in leaves])
+
+
 def check_devices(mesh, params) -> None:
   """Concrete ``params`` lie on the mesh's devices.
 
@@ -267,10 +316,13 @@ class Layout:
     return out
 
   def unpack(self, device: int, rows: dict) -> dict:
-    """``{layer: state}`` of the layers ``device`` owns, from its row."""
+    """``{layer: state}`` of the layers ``device`` owns, from its row
+    (``{dtype: [L]}``, or ``[1, L]``: read without reshaping the row)."""
     out = {}
     for i in self.plan.layers_of(device):
-      leaves = [rows[s.dtype][s.offset:s.offset + math.prod(s.shape)]
+      leaves = [(rows[s.dtype][..., s.offset:s.offset + math.prod(s.shape)]
+                 if rows[s.dtype].ndim == 1 else rows[s.dtype][
+                     0, s.offset:s.offset + math.prod(s.shape)])
                 .reshape(s.shape) for s in self.slots[i]]
       out[i] = jax.tree.unflatten(self.treedefs[i], leaves)
     return out

@@ -63,7 +63,7 @@ MAKERS = {
 }
 
 
-def _train(problem, make, params, batch_sharding=None, param_shardings=None,
+def _train(problem, make, params, batch_sharding=None, out_shardings=None,
            **kw):
   """5 steps of ``make(collection, **kw)``; the final params and state."""
   c = problem.scan()
@@ -75,8 +75,8 @@ def _train(problem, make, params, batch_sharding=None, param_shardings=None,
     grads = jax.grad(problem.loss)(params, batch)
     updates, state = tx.update(grads, state, params, batch=batch)
     new = jax.tree.map(lambda p, u: p + u, params, updates)
-    if param_shardings is not None:
-      new = jax.lax.with_sharding_constraint(new, param_shardings)
+    if out_shardings is not None:
+      new = jax.lax.with_sharding_constraint(new, out_shardings)
     return new, state
 
   for b in problem.batches:
@@ -130,7 +130,7 @@ def test_sharded_steps_match_one_device(problem, devices, reference, name,
     shardings = jax.tree.map(lambda x: x.sharding, params)
   got_params, got_state, tx = _train(
       problem, make, params, NamedSharding(mesh, batch), shardings,
-      mesh=mesh, curvature_axis=axis)
+      mesh=mesh, curvature_axis=axis, param_shardings=shardings)
   helpers.assert_trees_close(got_params, want_params, rtol=1e-5)
   est = _layout_of(problem.scan(), mesh, axis)
   got = _curvature(got_state)
