@@ -261,6 +261,11 @@ def test_the_step_keeps_one_row_per_device(problem, devices):
     (dict(mesh=True, curvature_axis=("d", "d")), r"names an axis twice"),
     (dict(mesh=True, curvature_axis="d", axis_name="d"),
      r"axis_name='d' is given with mesh="),
+    (dict(param_shardings={}), r"param_shardings=\.\.\. is given without "
+     r"mesh= and curvature_axis="),
+    (dict(mesh=True, curvature_axis="d", param_shardings={"w": "d"}),
+     r"param_shardings\['w'\]='d' is a str; pass a pytree like params of "
+     r"shardings"),
 ])
 def test_bad_mesh_arguments(problem, devices, kwargs, match):
   if kwargs.get("mesh") is True:
@@ -287,6 +292,43 @@ def test_a_state_of_another_layout_is_reported(problem, devices):
   grads = jax.tree.map(jnp.zeros_like, problem.params)
   with pytest.raises(ValueError, match="not the state of this sharded"):
     tx.update(grads, plain, problem.params, batch=problem.batch)
+
+
+def test_fsdp_updates_leave_the_owners_split(problem, devices):
+  """With ``param_shardings`` the product's program gathers nothing: each
+  layer's update leaves its owner split and lands as the parameters are
+  sharded; without, it is whole on every device. Equal values."""
+  c = problem.scan()
+  mesh = _mesh(devices)
+  params = _fsdp(problem.params, mesh, "d")
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  grads = jax.jit(jax.grad(problem.loss))(params, problem.batch)
+  got = {}
+  for name, kw in (("split", dict(param_shardings=shardings)),
+                   ("whole", {})):
+    est = sharded.place(kl.FisherEstimator(c), mesh, "d", **kw)
+    state = jax.jit(est.init)(params)
+    product = jax.jit(est.multiply_inverse)
+    hlo = product.lower(state, grads).compile().as_text()
+    got[name] = product(state, grads)
+    gathers = re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)
+    assert (not gathers) == (name == "split"), (name, gathers)
+  for x, s in zip(jax.tree.leaves(got["split"]), jax.tree.leaves(shardings)):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+  for x in jax.tree.leaves(got["whole"]):
+    assert x.sharding.is_fully_replicated
+  helpers.assert_trees_close(got["split"], got["whole"], rtol=1e-6)
+
+
+def test_param_shardings_of_another_tree_are_reported(problem, devices):
+  c, mesh = problem.scan(), _mesh(devices)
+  tx = kl.kfac(1e-2, c, mesh=mesh, curvature_axis="d",
+               param_shardings={"w": P("d")})
+  state = tx.init(problem.params)
+  grads = jax.tree.map(jnp.zeros_like, problem.params)
+  with pytest.raises(ValueError, match=r"param_shardings= has the structure "
+                     r".*, but the updates have"):
+    tx.update(grads, state, problem.params, batch=problem.batch)
 
 
 # ---- checkpoints ------------------------------------------------------------
