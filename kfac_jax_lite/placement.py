@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 import jax
 import jax.core  # jax.core.Tracer
@@ -185,6 +185,26 @@ def block_units(estimator) -> tuple:
   return tuple(out)
 
 
+def split_axis(shape, num_devices: int) -> Optional[int]:
+  """The first axis of ``shape`` that ``num_devices`` divides, or None
+  (the array then enters whole on every device)."""
+  for a, n in enumerate(shape):
+    if n >= num_devices and n % num_devices == 0:
+      return a
+  return None
+
+
+def whole_gradients(collection, num_devices: int) -> tuple:
+  """The parameter leaves (paths) of ``collection``'s layers none of whose
+  axes ``num_devices`` divides: their gradients and updates are not split
+  but enter and leave whole on every device."""
+  shapes = collection.leaf_shapes
+  used = sorted({k for layer in collection.layers
+                 for k in layer.param_indices})  # In flatten order.
+  return tuple(collection.leaf_paths[k] for k in used
+               if shapes and split_axis(shapes[k], num_devices) is None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Which device of the curvature axis owns each layer's block.
@@ -194,6 +214,8 @@ class Plan:
     num_devices: ``R``, the product of those axes' sizes.
     units: one :class:`Unit` per layer, in collection order.
     owners: ``owners[ℓ]``, the position along the axis owning layer ``ℓ``.
+    whole: the parameter leaves whose gradients and updates enter whole on
+      every device (:func:`whole_gradients`).
 
   Example:
     >>> plan = kl.placement.make_plan(estimator, 8, ("data",))
@@ -203,6 +225,7 @@ class Plan:
   num_devices: int
   units: tuple
   owners: tuple
+  whole: tuple = ()
 
   def layers_of(self, device: int) -> tuple:
     """The layers ``device`` owns, in collection order."""
@@ -223,7 +246,9 @@ class Plan:
     return max(loads) * self.num_devices / total if total else 1.0
 
   def describe(self) -> str:
-    """A table: per device its layers, bytes and refresh cost."""
+    """A table: per device its layers, bytes and refresh cost; then the
+    parameter leaves whose gradients and updates enter whole on every
+    device (:attr:`whole`), if any."""
     nb, fl = self.loads("nbytes"), self.loads("flops")
     total = sum(nb)
     lines = [
@@ -235,6 +260,10 @@ class Plan:
       names = [self.units[i].name for i in self.layers_of(r)]
       lines.append(f"  device {r}: {_size(nb[r]):>10}, "
                    f"refresh {fl[r]:.3g}  {', '.join(names) or '-'}")
+    if self.whole:
+      lines.append(f"  whole on every device (no axis divisible by "
+                   f"{self.num_devices}): the gradients and updates of "
+                   f"{', '.join(self.whole)}")
     return "\n".join(lines)
 
   def __repr__(self) -> str:
@@ -266,7 +295,8 @@ def make_plan(estimator, num_devices: int, axis: Sequence[Hashable] = ()
   """
   units = block_units(estimator)
   owners = distributed.assign([float(u.nbytes) for u in units], num_devices)
-  return Plan(tuple(axis), num_devices, units, owners)
+  return Plan(tuple(axis), num_devices, units, owners,
+              whole_gradients(estimator.collection, num_devices))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 from jax import lax
 import jax.numpy as jnp
@@ -40,12 +39,7 @@ from jax.sharding import PartitionSpec as P
 from kfac_jax_lite import placement
 
 
-def split_axis(shape, num_devices: int) -> Optional[int]:
-  """The first axis of ``shape`` that ``num_devices`` divides, or None."""
-  for a, n in enumerate(shape):
-    if n >= num_devices and n % num_devices == 0:
-      return a
-  return None
+split_axis = placement.split_axis
 
 
 @dataclasses.dataclass(frozen=True)

@@ -186,6 +186,22 @@ def test_plan_is_longest_first_and_packs_each_device_row(problem):
         np.testing.assert_array_equal(x, y)
 
 
+def test_the_plan_names_the_arrays_that_enter_whole(problem):
+  """A gradient none of whose axes the device count divides is not split:
+  the plan lists each such parameter leaf, and only those."""
+  est = kl.FisherEstimator(problem.scan())
+  leaves = jax.tree_util.tree_flatten_with_path(problem.params)[0]
+  for devices in (3, 4):
+    want = [jax.tree_util.keystr(p) for p, x in leaves
+            if not any(n % devices == 0 for n in x.shape)]
+    plan = placement.make_plan(est, devices, ("d",))
+    assert list(plan.whole) == want
+    text = plan.describe()
+    assert ("whole on every device" in text) == bool(want), text
+    assert all(p in text for p in want)
+  assert placement.make_plan(est, 3, ("d",)).whole  # Some, at 3 devices.
+
+
 def test_each_device_holds_its_share_of_the_curvature(problem, devices):
   c = problem.scan()
   mesh = _mesh(devices)
