@@ -316,9 +316,11 @@ class Layout:
   (the factors and their EMA weight), then, from the same offset
   ``N_dtype`` on every device, those a refresh rewrites (the cached powers
   or eigenbases); in each, the device's largest block first, then the
-  others by size; each region is zero padded to the longest device's. The rows are sharded over the curvature axis, so each device
-  stores its own row only; the EMA and the refresh each write one window
-  of it (:meth:`window`), the same offsets on every device.
+  others by size; each region is zero padded to the longest device's.
+  The rows are sharded over the curvature axis, so each device stores its
+  own row only; a layer's leaves of one region are adjacent, so its EMA
+  is one write, and a refresh writes windows of the caches (:meth:`window`;
+  :mod:`kfac_jax_lite.row_writes`).
   """
   plan: Plan
   treedefs: tuple     # per layer, its state's structure

@@ -7,8 +7,8 @@ with a :class:`~kfac_jax_lite.placement.Plan`. Its state,
 packs the blocks device ``r`` owns (:class:`~kfac_jax_lite.placement.Layout`),
 sharded ``NamedSharding(mesh, P(curvature_axis))``: each device stores
 only its own blocks. Every verb runs under ``jax.shard_map`` over the mesh;
-inside, each device takes its own branch of a ``lax.switch`` on its
-position along the axis and touches only its blocks:
+inside, each device runs the code of its own blocks only (a conditional on
+its position along the axis):
 
 * each layer's statistics inputs (the global batch's rows of its inputs
   and output gradients, split over the batch on the devices) go to its
@@ -29,11 +29,12 @@ position along the axis and touches only its blocks:
   and is laid out as the parameters are, never whole on one device. Only
   statistics inputs, gradients and updates move.
 
-The EMA and the refresh only read the device's row inside the ``switch``
-and return the window of it they change (the factors, or the cached
-powers: :class:`~kfac_jax_lite.placement.Layout`), written back in place:
-the verbs make no copy of the row, also under the ``lax.cond`` of the
-refresh schedule (the compiled step holds one row per device).
+The EMA and the refresh write the leaves they change into the device's
+row in place (:mod:`kfac_jax_lite.row_writes`): the EMA layer by layer,
+the refresh through two windows of the caches (each device's largest
+block's, then the others'). The verbs make no copy of the
+row, also under the ``lax.cond`` of the refresh schedule (the compiled
+step holds one row per device).
 
 Each block runs the same code as without a mesh, so the sharded step is
 the replicated one up to the rounding of the batched refresh (a device
@@ -381,26 +382,19 @@ class ShardedEstimator:
     largest = {r: max(own, key=lambda i: units[i].nbytes) for r in range(
         self.num_devices) if (own := self.plan.layers_of(r))}
 
-    def largest_first(r, layers, lam):  # row_writes.sequential
-      del layers
-      i, keep = largest[r], self.layout.keep_unrefreshed
-      if wanted is not None and i not in wanted:
-        return {}
-      return {i: lambda s: keep({i: s}, self._refresh_own([i], {i: s},
-                                                          lam))[i]}
-
-    def others(r, states, lam):  # row_writes.windowed
+    def branch(first, r, states, lam):
       return self.layout.keep_unrefreshed(states, self._refresh_own(
           [i for i in states if (wanted is None or i in wanted)
-           and i != largest[r]], states, lam))
+           and (i == largest[r]) == first], states, lam))
 
-    # Each device's largest block first, its caches written in place as
-    # they are computed; then the others, batched as without a mesh,
-    # through a window of the caches (smaller than all of them: the layout
-    # puts the largest block's first), their temporaries not live together.
-    rows = self._update(largest_first, state.rows, damping,
-                        write=row_writes.sequential)
-    return ShardedState(self._update(others, rows, damping))
+    # Each device's largest block first, the others after: two windows,
+    # each smaller than all the caches (the layout puts the largest
+    # block's first), and their refresh temporaries not live together.
+    # (One switch over the devices: its compiled program counts one
+    # device's refresh, where a cond per device would count all.)
+    rows = self._update(functools.partial(branch, True), state.rows, damping)
+    return ShardedState(self._update(functools.partial(branch, False), rows,
+                                     damping))
 
   @functools.cached_property
   def _padded_sizes(self) -> dict:
