@@ -43,17 +43,8 @@ def write(rows: dict, layout, old: dict, new: dict) -> dict:
   """
   rows = dict(rows)
   for i, state in new.items():
-    runs: list = []  # Adjacent slots, in offset order.
-    for s, n, o in sorted(zip(layout.slots[i], jax.tree.leaves(state),
-                              jax.tree.leaves(old[i])),
-                          key=lambda t: (t[0].dtype, t[0].offset)):
-      last = runs[-1][-1][0] if runs else None
-      if last and last.dtype == s.dtype and (
-          last.offset + math.prod(last.shape) == s.offset):
-        runs[-1].append((s, n, o))
-      else:
-        runs.append([(s, n, o)])
-    for run in runs:
+    for run in _runs(zip(layout.slots[i], jax.tree.leaves(state),
+                         jax.tree.leaves(old[i]))):
       changed = [k for k, (_, n, o) in enumerate(run) if n is not o]
       if not changed:
         continue
@@ -63,6 +54,20 @@ def write(rows: dict, layout, old: dict, new: dict) -> dict:
       rows[dt] = lax.dynamic_update_slice_in_dim(
           rows[dt], jnp.concatenate(parts)[None], run[0][0].offset, 1)
   return rows
+
+
+def _runs(leaves) -> list:
+  """``(slot, new, old)`` triples grouped into runs of adjacent slots (one
+  dtype, each starting where the last ended), in offset order."""
+  runs: list = []
+  for s, n, o in sorted(leaves, key=lambda t: (t[0].dtype, t[0].offset)):
+    last = runs[-1][-1][0] if runs else None
+    if last and last.dtype == s.dtype and (
+        last.offset + math.prod(last.shape) == s.offset):
+      runs[-1].append((s, n, o))
+    else:
+      runs.append([(s, n, o)])
+  return runs
 
 
 def sequential(layout, names, branch, rows, operands) -> dict:
