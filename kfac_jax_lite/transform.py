@@ -193,14 +193,11 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
       ``axis_name``.
     curvature_axis: the mesh axis name (or a tuple of names) the curvature
       is spread over.
-    param_shardings: with ``mesh``, the parameters' shardings when they
-      are sharded (FSDP): a pytree like ``params`` of ``NamedSharding``
-      (or ``PartitionSpec`` of ``mesh``), e.g. ``jax.tree.map(lambda x:
-      x.sharding, params)``. Each layer's preconditioned update then
-      leaves its owner split and is laid out as its parameters are;
-      None: it is all-gathered, whole on every device (for replicated
-      parameters). A jitted step cannot see its inputs' shardings, so
-      say them here.
+    param_shardings: with ``mesh``, the sharded (FSDP) parameters'
+      shardings, a params-like pytree of ``NamedSharding`` (or
+      ``PartitionSpec``), e.g. ``jax.tree.map(lambda x: x.sharding,
+      params)``: the update then stays split, laid out as they are
+      (None: it is all-gathered, whole on every device).
     inverse_update_warmup: also refresh the damped powers at each of the
       first this many steps (0, the default here: none; :func:`kfac` uses
       20).
@@ -219,11 +216,10 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
       ``estimation_mode``, an ``estimator`` whose ``exps`` lack ``power``,
       a ``curvature_axis`` or ``param_shardings`` without ``mesh``, a
       ``curvature_axis`` not in it, ``mesh`` with ``axis_name``; at
-      ``init``, parameters
-      on devices outside ``mesh``; at ``update``, without ``params``,
-      with neither or both of ``batch=`` and ``stats=``, with params
-      that do not match ``collection``, or ``param_shardings`` that do
-      not match them.
+      ``init``, parameters on devices outside ``mesh``; at ``update``,
+      without ``params``, with neither or both of ``batch=`` and
+      ``stats=``, with params that do not match ``collection``, or
+      ``param_shardings`` that do not match them.
     TypeError: a ``param_shardings`` leaf that is not a sharding.
 
   Example:
@@ -502,8 +498,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     mesh: spread the curvature over this ``jax.sharding.Mesh`` (see
       :func:`scale_by_kfac`).
     curvature_axis: the mesh axis name(s) it is spread over.
-    param_shardings: the parameters' shardings when they are sharded
-      (FSDP; see :func:`scale_by_kfac`).
+    param_shardings: the FSDP parameters' shardings (:func:`scale_by_kfac`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` of descent updates (add
