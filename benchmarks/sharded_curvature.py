@@ -7,7 +7,8 @@ heads, MLP 4096, 4 blocks, context 128), three programs compiled for
 
 * ``adamw``: ``optax.adamw`` on the FSDP parameters;
 * ``replicated``: ``kfac`` with every device holding all the curvature;
-* ``sharded``: ``kfac(..., mesh=mesh, curvature_axis="data")``.
+* ``sharded``: ``kfac(..., mesh=mesh, curvature_axis="data",
+  param_shardings=<the FSDP shardings>)``.
 
 It prints, per device: the curvature bytes (the sharded state's from its
 addressable shards; the replicated state's from its shapes, as every
@@ -83,7 +84,8 @@ def programs(args, gpt, width, mesh):
   txs = {"adamw": optax.adamw(1e-3),
          "replicated": kl.kfac(1e-3, c, inverse_update_period=1),
          "sharded": kl.kfac(1e-3, c, inverse_update_period=1, mesh=mesh,
-                            curvature_axis="data")}
+                            curvature_axis="data",
+                            param_shardings=shardings)}
   out = {}
   for name, tx in txs.items():
     def step(params, state, batch, tx=tx):

@@ -5,7 +5,9 @@ One mesh axis, ``data``, carries everything: the batch is split over it
 (FSDP / ZeRO-3), and K-FAC's curvature (each layer's Kronecker factors
 and cached inverses) is spread over it by a placement plan, so each device
 holds about ``1/R`` of the factors (``kfac(..., mesh=mesh,
-curvature_axis="data")``). The step is one ``jax.jit``; JAX inserts the
+curvature_axis="data", param_shardings=shardings)``; with the parameters'
+shardings the preconditioned update is laid out as the parameters, never
+whole on one device). The step is one ``jax.jit``; JAX inserts the
 collectives.
 
 On the CPU the devices are simulated (``--devices 8`` sets
@@ -166,13 +168,14 @@ def train(args: argparse.Namespace, mesh=None) -> dict:
   data = batches(1, args.steps, args.batch_size, args.context, args.vocab)
   loss_fn = make_loss(args.heads)
   collection = kl.scan(loss_fn, params, data[0])
-  kw = {} if mesh is None else {"mesh": mesh, "curvature_axis": "data"}
-  tx = kl.kfac(args.lr, collection, damping=1e-2,
-               inverse_update_period=args.inverse_period, **kw)
-  shardings = None
+  kw, shardings = {}, None
   if mesh is not None:
     shardings = fsdp_shardings(params, mesh, "data")
     params = jax.device_put(params, shardings)
+    kw = {"mesh": mesh, "curvature_axis": "data",
+          "param_shardings": shardings}
+  tx = kl.kfac(args.lr, collection, damping=1e-2,
+               inverse_update_period=args.inverse_period, **kw)
 
   @jax.jit
   def step(params, state, batch):

@@ -148,6 +148,7 @@ def kfac_adamw(learning_rate: ScalarOrSchedule,
                estimator: Optional[estimator_lib.FisherEstimator] = None,
                stats_position_stride: Optional[int] = None,
                mesh: Any = None, curvature_axis: Any = None,
+               param_shardings: Any = None,
                ) -> optax.GradientTransformationExtraArgs:
   """AdamW with K-FAC's per-tensor directions: the transformer recipe.
 
@@ -212,6 +213,8 @@ def kfac_adamw(learning_rate: ScalarOrSchedule,
       ``curvature_axis`` the axis name(s), as for
       :func:`~kfac_jax_lite.scale_by_kfac`.
     curvature_axis: see ``mesh``.
+    param_shardings: the parameters' shardings when they are sharded
+      (FSDP), as for :func:`~kfac_jax_lite.scale_by_kfac`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -247,7 +250,8 @@ def kfac_adamw(learning_rate: ScalarOrSchedule,
       collection, damping=damping, cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,
       learning_rate=learning_rate, seed=seed, estimator=estimator,
-      mesh=mesh, curvature_axis=curvature_axis)
+      mesh=mesh, curvature_axis=curvature_axis,
+      param_shardings=param_shardings)
   if stats_fraction < 1.0:
     direction = statistics_from_head(direction, stats_fraction)
   rms = optax.scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False,

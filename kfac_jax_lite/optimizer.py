@@ -173,6 +173,7 @@ def kfac_optimizer(collection: LayerCollection, *,
                    axis_name: Any = None,
                    estimator: Optional[estimator_lib.FisherEstimator] = None,
                    mesh: Any = None, curvature_axis: Any = None,
+                   param_shardings: Any = None,
                    ) -> optax.GradientTransformationExtraArgs:
   """The full K-FAC optimizer: adaptive damping, learning rate and momentum.
 
@@ -230,6 +231,8 @@ def kfac_optimizer(collection: LayerCollection, *,
       ``curvature_axis`` the axis name(s), as for
       :func:`kfac_jax_lite.scale_by_kfac`.
     curvature_axis: see ``mesh``.
+    param_shardings: the parameters' shardings when they are sharded
+      (FSDP), as for :func:`~kfac_jax_lite.scale_by_kfac`.
 
   Steps whose gradients, statistics, learning rate or momentum are not
   finite leave the parameters and the whole state untouched (the factors
@@ -276,7 +279,7 @@ def kfac_optimizer(collection: LayerCollection, *,
       axis_name=axis_name,
       stats_fraction=0.25 if estimator is None else None)
   axis_name = est.axis_name
-  est = sharded.place(est, mesh, curvature_axis)
+  est = sharded.place(est, mesh, curvature_axis, param_shardings)
 
   def curvature(damping):
     return curvature_lib.update_curvature(

@@ -26,6 +26,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -90,8 +91,9 @@ def own_stats(estimator, data: dict) -> dict:
 def ema_on_owners(estimator, plan, names, stats: StatsInputs, decay, ema):
   """``(branch, operands, specs, before)`` for the sharded estimator's
   update: ``before`` sends each layer's rows to its owner (every device),
-  ``branch(r, states, ops)`` forms device ``r``'s statistics and returns
-  ``{layer: ema(layer, state, statistics, decay)}``."""
+  ``branch(r, layers, ops)`` forms device ``r``'s statistics and returns
+  ``{layer: fn}``, ``fn(state)`` being ``ema(layer, state, statistics,
+  decay)`` (:func:`kfac_jax_lite.row_writes.sequential`)."""
   data = [unread_params_dropped(b, x)
           for b, x in zip(estimator.blocks, stats.layer_data)]
   flat = [jax.tree.flatten(x) for x in data]
@@ -104,11 +106,11 @@ def ema_on_owners(estimator, plan, names, stats: StatsInputs, decay, ema):
     return treedef.unflatten([next(it) if _is_array(x) else x
                               for x in leaves])
 
-  def branch(r, states, ops):
+  def branch(r, layers, ops):
     received, local, d = ops
     full = route.at_owner(r, received, local)
-    own = own_stats(estimator, {i: rebuild(i, full[i]) for i in states})
-    return {i: ema(i, s, own[i], d) for i, s in states.items()}
+    own = own_stats(estimator, {i: rebuild(i, full[i]) for i in layers})
+    return {i: functools.partial(ema, i, x=own[i], d=d) for i in layers}
 
   def before(ops):
     return route.to_owners(ops[0], names), ops[0], ops[1]

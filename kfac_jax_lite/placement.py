@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 import jax
 import jax.core  # jax.core.Tracer
@@ -91,6 +91,55 @@ def check_mesh(mesh, curvature_axis, axis_name=None) -> tuple:
   return names
 
 
+def _is_spec(x) -> bool:
+  return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
+
+
+def check_param_shardings(param_shardings, names) -> None:
+  """Validates ``param_shardings=`` (``names``: :func:`check_mesh`'s).
+
+  Raises:
+    ValueError: ``param_shardings`` without ``mesh``.
+    TypeError: a leaf that is not a ``jax.sharding.Sharding`` or a
+      ``PartitionSpec``.
+  """
+  if param_shardings is None:
+    return
+  if not names:
+    raise ValueError(
+        "param_shardings=... is given without mesh= and curvature_axis=; "
+        "it says how the preconditioned update leaves the curvature's "
+        "owners: pass mesh= and curvature_axis= too, or drop it.")
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      param_shardings, is_leaf=_is_spec)[0]:
+    if not _is_spec(x):
+      raise TypeError(
+          f"param_shardings{jax.tree_util.keystr(path)}={x!r} is a "
+          f"{type(x).__name__}; pass a pytree like params of shardings "
+          "(or PartitionSpecs of mesh=), e.g. "
+          "jax.tree.map(lambda x: x.sharding, params).")
+
+
+def param_layout(mesh, param_shardings, tree):
+  """``param_shardings`` as a pytree of ``NamedSharding`` over ``mesh``
+  (``PartitionSpec`` leaves completed with it), checked against the
+  structure of ``tree`` (params-shaped).
+
+  Raises:
+    ValueError: the structures differ.
+  """
+  leaves, treedef = jax.tree.flatten(param_shardings, is_leaf=_is_spec)
+  want = jax.tree.structure(tree)
+  if treedef != want:
+    raise ValueError(
+        f"param_shardings= has the structure {treedef}, but the updates "
+        f"have {want}; pass one sharding per parameter leaf, e.g. "
+        "jax.tree.map(lambda x: x.sharding, params).")
+  return jax.tree.unflatten(treedef, [
+      x if isinstance(x, jax.sharding.Sharding) else
+      jax.sharding.NamedSharding(mesh, x) for x in leaves])
+
+
 def check_devices(mesh, params) -> None:
   """Concrete ``params`` lie on the mesh's devices.
 
@@ -136,6 +185,26 @@ def block_units(estimator) -> tuple:
   return tuple(out)
 
 
+def split_axis(shape, num_devices: int) -> Optional[int]:
+  """The first axis of ``shape`` that ``num_devices`` divides, or None
+  (the array then enters whole on every device)."""
+  for a, n in enumerate(shape):
+    if n >= num_devices and n % num_devices == 0:
+      return a
+  return None
+
+
+def whole_gradients(collection, num_devices: int) -> tuple:
+  """The parameter leaves (paths) of ``collection``'s layers none of whose
+  axes ``num_devices`` divides: their gradients and updates are not split
+  but enter and leave whole on every device."""
+  shapes = collection.leaf_shapes
+  used = sorted({k for layer in collection.layers
+                 for k in layer.param_indices})  # In flatten order.
+  return tuple(collection.leaf_paths[k] for k in used
+               if shapes and split_axis(shapes[k], num_devices) is None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Which device of the curvature axis owns each layer's block.
@@ -145,6 +214,8 @@ class Plan:
     num_devices: ``R``, the product of those axes' sizes.
     units: one :class:`Unit` per layer, in collection order.
     owners: ``owners[ℓ]``, the position along the axis owning layer ``ℓ``.
+    whole: the parameter leaves whose gradients and updates enter whole on
+      every device (:func:`whole_gradients`).
 
   Example:
     >>> plan = kl.placement.make_plan(estimator, 8, ("data",))
@@ -154,6 +225,7 @@ class Plan:
   num_devices: int
   units: tuple
   owners: tuple
+  whole: tuple = ()
 
   def layers_of(self, device: int) -> tuple:
     """The layers ``device`` owns, in collection order."""
@@ -174,7 +246,9 @@ class Plan:
     return max(loads) * self.num_devices / total if total else 1.0
 
   def describe(self) -> str:
-    """A table: per device its layers, bytes and refresh cost."""
+    """A table: per device its layers, bytes and refresh cost; then the
+    parameter leaves whose gradients and updates enter whole on every
+    device (:attr:`whole`), if any."""
     nb, fl = self.loads("nbytes"), self.loads("flops")
     total = sum(nb)
     lines = [
@@ -186,6 +260,10 @@ class Plan:
       names = [self.units[i].name for i in self.layers_of(r)]
       lines.append(f"  device {r}: {_size(nb[r]):>10}, "
                    f"refresh {fl[r]:.3g}  {', '.join(names) or '-'}")
+    if self.whole:
+      lines.append(f"  whole on every device (no axis divisible by "
+                   f"{self.num_devices}): the gradients and updates of "
+                   f"{', '.join(self.whole)}")
     return "\n".join(lines)
 
   def __repr__(self) -> str:
@@ -217,7 +295,8 @@ def make_plan(estimator, num_devices: int, axis: Sequence[Hashable] = ()
   """
   units = block_units(estimator)
   owners = distributed.assign([float(u.nbytes) for u in units], num_devices)
-  return Plan(tuple(axis), num_devices, units, owners)
+  return Plan(tuple(axis), num_devices, units, owners,
+              whole_gradients(estimator.collection, num_devices))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,14 +316,17 @@ class Layout:
   (the factors and their EMA weight), then, from the same offset
   ``N_dtype`` on every device, those a refresh rewrites (the cached powers
   or eigenbases); in each, the device's largest block first, then the
-  others by size; each region is zero padded to the longest device's. The rows are sharded over the curvature axis, so each device
-  stores its own row only; the EMA and the refresh each write one window
-  of it (:meth:`window`), the same offsets on every device.
+  others by size; each region is zero padded to the longest device's.
+  The rows are sharded over the curvature axis, so each device stores its
+  own row only; a layer's leaves of one region are adjacent, so its EMA
+  is one write, and a refresh writes windows of the caches (:meth:`window`;
+  :mod:`kfac_jax_lite.row_writes`).
   """
   plan: Plan
   treedefs: tuple     # per layer, its state's structure
   slots: tuple        # per layer, one Slot per leaf
   widths: dict        # dtype -> L_dtype
+  rewritten: tuple = ()  # per layer, per leaf: a refresh rewrites it
 
   def pack(self, device: int, states: dict) -> dict:
     """``{dtype: [L]}``, the row of ``device`` from its layers' states."""
@@ -266,10 +348,13 @@ class Layout:
     return out
 
   def unpack(self, device: int, rows: dict) -> dict:
-    """``{layer: state}`` of the layers ``device`` owns, from its row."""
+    """``{layer: state}`` of the layers ``device`` owns, from its row
+    (``{dtype: [L]}``, or ``[1, L]``: read without reshaping the row)."""
     out = {}
     for i in self.plan.layers_of(device):
-      leaves = [rows[s.dtype][s.offset:s.offset + math.prod(s.shape)]
+      leaves = [(rows[s.dtype][..., s.offset:s.offset + math.prod(s.shape)]
+                 if rows[s.dtype].ndim == 1 else rows[s.dtype][
+                     0, s.offset:s.offset + math.prod(s.shape)])
                 .reshape(s.shape) for s in self.slots[i]]
       out[i] = jax.tree.unflatten(self.treedefs[i], leaves)
     return out
@@ -299,6 +384,18 @@ class Layout:
           out[s.dtype] = jax.lax.dynamic_update_slice_in_dim(
               out[s.dtype], jnp.ravel(n).astype(s.dtype),
               s.offset - spans[s.dtype][0], 0)
+    return out
+
+  def keep_unrefreshed(self, old: dict, new: dict) -> dict:
+    """``new`` (``{layer: refreshed state}``) with the leaves a refresh
+    leaves alone (:func:`refreshed_leaves`) taken from ``old``: a batched
+    refresh returns them as new arrays of the same values, which would
+    widen the refresh's window (:meth:`window`) over the factors."""
+    out = {}
+    for i, state in new.items():
+      leaves = [n if f else o for n, o, f in zip(
+          jax.tree.leaves(state), jax.tree.leaves(old[i]), self.rewritten[i])]
+      out[i] = jax.tree.unflatten(self.treedefs[i], leaves)
     return out
 
 
@@ -343,4 +440,4 @@ def make_layout(plan: Plan, estimator) -> Layout:
   widths = {dt: max(w, 1) for dt, w in starts.items()}
   return Layout(plan, tuple(treedefs), tuple(
       tuple(s for _, s in sorted(ss, key=lambda t: t[0])) for ss in slots),
-                dict(sorted(widths.items())))
+                dict(sorted(widths.items())), tuple(flags))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 from jax import lax
 import jax.numpy as jnp
@@ -40,12 +39,7 @@ from jax.sharding import PartitionSpec as P
 from kfac_jax_lite import placement
 
 
-def split_axis(shape, num_devices: int) -> Optional[int]:
-  """The first axis of ``shape`` that ``num_devices`` divides, or None."""
-  for a, n in enumerate(shape):
-    if n >= num_devices and n % num_devices == 0:
-      return a
-  return None
+split_axis = placement.split_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,11 +138,12 @@ class Route:
               for k, a in enumerate(axes)] for i, axes in enumerate(self.axes)]
     return buffers, whole
 
-  def back(self, buffers: dict, whole: list, names) -> list:
+  def back(self, buffers: dict, whole: list, names, gather=True) -> list:
     """Per layer, per leaf: the owner's result, whole on every device (the
     exchange of :meth:`from_owner`'s buffers gives each device its piece,
     an ``all_gather`` the rest; the leaves not split summed over the
-    axis)."""
+    axis). With ``gather=False`` a split leaf stays this device's piece
+    (leave the map with :meth:`specs`)."""
     received = {dt: _exchange(x, names) for dt, x in buffers.items()}
     whole = lax.psum(whole, names)
     out = [list(w) for w in whole]
@@ -156,8 +151,8 @@ class Route:
     for o in range(self.plan.num_devices):
       for i, k, dt, off, shape in self._chunk(o):
         piece = received[dt][o, off:off + math.prod(shape)].reshape(shape)
-        out[i][k] = lax.all_gather(piece, axis, axis=self.axes[i][k],
-                                   tiled=True)
+        out[i][k] = piece if not gather else lax.all_gather(
+            piece, axis, axis=self.axes[i][k], tiled=True)
     return out
 
 

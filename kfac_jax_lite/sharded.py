@@ -7,8 +7,8 @@ with a :class:`~kfac_jax_lite.placement.Plan`. Its state,
 packs the blocks device ``r`` owns (:class:`~kfac_jax_lite.placement.Layout`),
 sharded ``NamedSharding(mesh, P(curvature_axis))``: each device stores
 only its own blocks. Every verb runs under ``jax.shard_map`` over the mesh;
-inside, each device takes its own branch of a ``lax.switch`` on its
-position along the axis and touches only its blocks:
+inside, each device runs the code of its own blocks only (a conditional on
+its position along the axis):
 
 * each layer's statistics inputs (the global batch's rows of its inputs
   and output gradients, split over the batch on the devices) go to its
@@ -24,15 +24,17 @@ position along the axis and touches only its blocks:
     u_\\ell = (\\hat F_\\ell + \\lambda)^{p} g_\\ell ,
 
   and ``u_ℓ`` goes back split the same way, then is all-gathered: ``u``
-  leaves whole on every device, as without a mesh, and the parameters'
-  layout (replicated or FSDP-sharded) takes its share. Only statistics
-  inputs, gradients and updates move.
+  leaves whole on every device, as without a mesh. Given the parameters'
+  layout (``param_shardings``, e.g. FSDP), ``u`` instead leaves split
+  and is laid out as the parameters are, never whole on one device. Only
+  statistics inputs, gradients and updates move.
 
-The EMA and the refresh only read the device's row inside the ``switch``
-and return the window of it they change (the factors, or the cached
-powers: :class:`~kfac_jax_lite.placement.Layout`), written back in place:
-the verbs make no copy of the row (a ``lax.cond`` around a verb, as the
-refresh schedule's, still may: XLA then copies the row for it).
+The EMA and the refresh write the leaves they change into the device's
+row in place (:mod:`kfac_jax_lite.row_writes`): the EMA layer by layer,
+the refresh through two windows of the caches (each device's largest
+block's, then the others'). The verbs make no copy of the
+row, also under the ``lax.cond`` of the refresh schedule (the compiled
+step holds one row per device).
 
 Each block runs the same code as without a mesh, so the sharded step is
 the replicated one up to the rounding of the batched refresh (a device
@@ -66,6 +68,7 @@ from kfac_jax_lite import placement
 from kfac_jax_lite import refresh
 from kfac_jax_lite import owner_stats
 from kfac_jax_lite import routing
+from kfac_jax_lite import row_writes
 from kfac_jax_lite import stats as stats_lib
 from kfac_jax_lite.grouping import EstimatorState
 from kfac_jax_lite.grouping import ProductInputs
@@ -85,14 +88,16 @@ class ShardedState(NamedTuple):
   rows: dict  # dtype -> [R, L] sharded over the curvature axis
 
 
-def place(estimator, mesh, curvature_axis) -> Any:
+def place(estimator, mesh, curvature_axis, param_shardings=None) -> Any:
   """``estimator``, or a :class:`ShardedEstimator` of it over ``mesh``.
 
   Raises:
-    ValueError, TypeError: as :func:`kfac_jax_lite.placement.check_mesh`;
+    ValueError, TypeError: as :func:`kfac_jax_lite.placement.check_mesh`
+      and :func:`~kfac_jax_lite.placement.check_param_shardings`;
       ``ValueError`` for an estimator with ``compute_params_stats``.
   """
   names = placement.check_mesh(mesh, curvature_axis, estimator.axis_name)
+  placement.check_param_shardings(param_shardings, names)
   if not names:
     return estimator
   if estimator.compute_params_stats:
@@ -100,7 +105,7 @@ def place(estimator, mesh, curvature_axis) -> Any:
         "mesh= with an estimator with compute_params_stats=True: the "
         "parameter statistics are not placed; build the FisherEstimator "
         "without compute_params_stats, or drop mesh=.")
-  return ShardedEstimator(estimator, mesh, names)
+  return ShardedEstimator(estimator, mesh, names, param_shardings)
 
 
 def gather(estimator, layout, state: ShardedState) -> EstimatorState:
@@ -200,10 +205,14 @@ class ShardedEstimator:
     estimator: the wrapped estimator (no ``axis_name``).
     mesh: the ``jax.sharding.Mesh``.
     axis: the names of the mesh axes the curvature is spread over.
+    param_shardings: None (products whole on every device), or the
+      parameters' shardings (a params-like pytree): products leave split
+      and are laid out as the parameters.
   """
   estimator: Any
   mesh: Any
   axis: tuple[Any, ...]
+  param_shardings: Any = None
 
   def __getattr__(self, name):
     if name.startswith("__") or name == "estimator":
@@ -261,48 +270,17 @@ class ShardedEstimator:
           "mesh= and curvature_axis=).")
 
   # ---- running each device's own blocks ----------------------------------
-  def _update(self, branch, rows, operands, specs=None, before=None):
-    """New rows: ``branch(r, states, operands)`` (``{layer: new state}``)
-    on each device ``r`` of the axis with its own blocks' ``states``, under
-    ``shard_map`` (``operands`` entering with ``specs``; ``before`` maps
-    them on every device before the branches, e.g. an exchange).
-
-    The branches only read the row; each returns the window of it that
-    holds the leaves it changed (the same offsets on every device,
-    :meth:`~kfac_jax_lite.placement.Layout.window`), written back in
-    place: no copy of the row is made.
-    """
-    names, layout = self.axis, self.layout
-
-    def body(rows, operands):
-      rows = {dt: x[0] for dt, x in rows.items()}
+  def _update(self, branch, rows, operands, specs=None, before=None,
+              write=row_writes.windowed):
+    """New rows: ``write(layout, axis, branch, rows, operands)`` on each
+    device (:mod:`~kfac_jax_lite.row_writes`: ``branch`` runs device
+    ``r``'s own blocks) under ``shard_map`` (``operands`` entering with
+    ``specs``; ``before`` maps them on every device first, e.g. an
+    exchange). No copy of a row is made."""
+    def body(rows, operands):  # rows: {dtype: [1, L]}, this device's.
       if before is not None:
         operands = before(operands)
-      spans: dict = {}
-      for r in range(self.num_devices):  # Which leaves change, per dtype.
-        def probe(rows, operands, r=r):
-          old = layout.unpack(r, rows)
-          for dt, (lo, hi) in layout.changed(
-              old, branch(r, old, operands)).items():
-            a, b = spans.get(dt, (lo, hi))
-            spans[dt] = (min(a, lo), max(b, hi))
-          return 0
-        jax.eval_shape(probe, rows, operands)
-
-      def one(r, rows, operands):
-        old = layout.unpack(r, rows)
-        return layout.window(rows, old, branch(r, old, operands), spans)
-
-      fns = [functools.partial(one, r) for r in range(self.num_devices)]
-      if not spans:
-        new = {}
-      elif len(fns) == 1:
-        new = fns[0](rows, operands)
-      else:
-        new = lax.switch(lax.axis_index(names), fns, rows, operands)
-      rows = {dt: x if dt not in spans else lax.dynamic_update_slice_in_dim(
-          x, new[dt], spans[dt][0], 0) for dt, x in rows.items()}
-      return {dt: x[None] for dt, x in rows.items()}
+      return write(self.layout, self.axis, branch, rows, operands)
 
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=(
         self._spec, P() if specs is None else specs), out_specs=self._spec,
@@ -374,19 +352,21 @@ class ShardedEstimator:
     decay = est.cov_ema_decay if ema_decay is None else ema_decay
     static = isinstance(decay, (int, float))
     d = 0.0 if static else jnp.asarray(decay)
-    ema = lambda i, s, x, d: est.blocks[i].update_curvature(  # noqa: E731
-        s, x, decay if static else d)
+    def ema(i, s, x, d):
+      return est.blocks[i].update_curvature(s, x, decay if static else d)
+
     with jax.named_scope("kfac_ema"):
       if isinstance(stats, owner_stats.StatsInputs):
         branch, ops, specs, before = owner_stats.ema_on_owners(
             est, self.plan, self.axis, stats, d, ema)
         return ShardedState(self._update(branch, state.rows, ops, specs,
-                                         before))
+                                         before, row_writes.sequential))
       stats_lib.check_reduction(stats, est.axis_name, est.stats_sync)
       return ShardedState(self._update(
-          lambda r, states, ops: {i: ema(i, s, ops[0][i], ops[1])
-                                  for i, s in states.items()},
-          state.rows, (est.per_layer(stats), d)))
+          lambda r, layers, ops: {i: functools.partial(
+              ema, i, x=ops[0][i], d=ops[1]) for i in layers},
+          state.rows, (est.per_layer(stats), d),
+          write=row_writes.sequential))
 
   @_blas_threads.limited  # One LAPACK thread: docs/performance.md.
   def update_cache(self, state, damping=None, layers=None) -> ShardedState:
@@ -403,13 +383,15 @@ class ShardedEstimator:
         self.num_devices) if (own := self.plan.layers_of(r))}
 
     def branch(first, r, states, lam):
-      return self._refresh_own([i for i in states if (
-          wanted is None or i in wanted) and (i == largest[r]) == first],
-                               states, lam)
+      return self.layout.keep_unrefreshed(states, self._refresh_own(
+          [i for i in states if (wanted is None or i in wanted)
+           and (i == largest[r]) == first], states, lam))
 
     # Each device's largest block first, the others after: two windows,
     # each smaller than all the caches (the layout puts the largest
     # block's first), and their refresh temporaries not live together.
+    # (One switch over the devices: its compiled program counts one
+    # device's refresh, where a cond per device would count all.)
     rows = self._update(functools.partial(branch, True), state.rows, damping)
     return ShardedState(self._update(functools.partial(branch, False), rows,
                                      damping))
@@ -475,7 +457,8 @@ class ShardedEstimator:
     axis (:func:`~kfac_jax_lite.routing.split_axis`) and goes whole to its
     owner only; the owner's product goes back split the same way
     (:class:`~kfac_jax_lite.routing.Route`) and is all-gathered, so the
-    result is whole on every device (as without a mesh).
+    result is whole on every device (as without a mesh); with
+    ``param_shardings`` it stays split and takes their layout instead.
     """
     est = self.estimator
     for b in est.blocks:
@@ -516,13 +499,18 @@ class ShardedEstimator:
       else:
         out = lax.switch(lax.axis_index(names), fns, rows, received, local)
       buffers, whole = out
-      return route.back(buffers, whole, names)
+      return route.back(buffers, whole, names, gather=not split)
 
-    specs = route.specs(names)
+    specs, split = route.specs(names), self.param_shardings is not None
     with jax.named_scope("kfac_sharded_product"):
       out = jax.shard_map(body, mesh=self.mesh, in_specs=(self._spec, specs),
-                          out_specs=P(), check_vma=False)(state.rows, parts)
-    return grouping.merge_params(est.collection, v, inputs.leaves, out)
+                          out_specs=specs if split else P(),
+                          check_vma=False)(state.rows, parts)
+    out = grouping.merge_params(est.collection, v, inputs.leaves, out)
+    if not split:
+      return out
+    return lax.with_sharding_constraint(out, placement.param_layout(
+        self.mesh, self.param_shardings, v))
 
   def multiply(self, state, v):
     """``F̂ v`` (damped)."""

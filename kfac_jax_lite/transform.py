@@ -134,6 +134,7 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
                   mesh: Any = None,
                   curvature_axis: Any = None,
                   inverse_update_warmup: int = 0,
+                  param_shardings: Any = None,
                   ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with the K-FAC curvature: ``F̂^power g``.
 
@@ -192,6 +193,11 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
       ``axis_name``.
     curvature_axis: the mesh axis name (or a tuple of names) the curvature
       is spread over.
+    param_shardings: with ``mesh``, the sharded (FSDP) parameters'
+      shardings, a params-like pytree of ``NamedSharding`` (or
+      ``PartitionSpec``), e.g. ``jax.tree.map(lambda x: x.sharding,
+      params)``: the update then stays split, laid out as they are
+      (None: it is all-gathered, whole on every device).
     inverse_update_warmup: also refresh the damped powers at each of the
       first this many steps (0, the default here: none; :func:`kfac` uses
       20).
@@ -208,11 +214,13 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
     ValueError: for a negative ``learning_rate``, ``norm_constraint`` or
       ``inverse_update_warmup``, a period below 1, an unknown
       ``estimation_mode``, an ``estimator`` whose ``exps`` lack ``power``,
-      a ``curvature_axis`` without ``mesh`` or not in it, ``mesh`` with
-      ``axis_name``; at ``init``, parameters
-      on devices outside ``mesh``; at ``update``, without ``params``,
-      with neither or both of ``batch=`` and ``stats=``, or with params
-      that do not match ``collection``.
+      a ``curvature_axis`` or ``param_shardings`` without ``mesh``, a
+      ``curvature_axis`` not in it, ``mesh`` with ``axis_name``; at
+      ``init``, parameters on devices outside ``mesh``; at ``update``,
+      without ``params``, with neither or both of ``batch=`` and
+      ``stats=``, with params that do not match ``collection``, or
+      ``param_shardings`` that do not match them.
+    TypeError: a ``param_shardings`` leaf that is not a sharding.
 
   Example:
     >>> tx = optax.chain(
@@ -229,7 +237,7 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
       collection, estimator, power, cov_ema_decay=cov_ema_decay,
       estimation_mode=estimation_mode, axis_name=axis_name,
       stats_sync=stats_sync, distributed_inverses=distributed_inverses)
-  est = sharded.place(est, mesh, curvature_axis)
+  est = sharded.place(est, mesh, curvature_axis, param_shardings)
   curvature = update_curvature(
       est, damping=damping, cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,
@@ -419,6 +427,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          estimator: Optional[estimator_lib.FisherEstimator] = None,
          mesh: Any = None, curvature_axis: Any = None,
          inverse_update_warmup: int = DEFAULT_INVERSE_UPDATE_WARMUP,
+         param_shardings: Any = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
 
@@ -489,6 +498,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     mesh: spread the curvature over this ``jax.sharding.Mesh`` (see
       :func:`scale_by_kfac`).
     curvature_axis: the mesh axis name(s) it is spread over.
+    param_shardings: the FSDP parameters' shardings (:func:`scale_by_kfac`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` of descent updates (add
@@ -530,7 +540,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       stats_sync=stats_sync, distributed_inverses=distributed_inverses,
       seed=seed, estimator=estimator, mesh=mesh,
       curvature_axis=curvature_axis,
-      inverse_update_warmup=inverse_update_warmup)]
+      inverse_update_warmup=inverse_update_warmup,
+      param_shardings=param_shardings)]
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   if not isinstance(momentum, (int, float)) or momentum:

@@ -63,7 +63,7 @@ MAKERS = {
 }
 
 
-def _train(problem, make, params, batch_sharding=None, param_shardings=None,
+def _train(problem, make, params, batch_sharding=None, out_shardings=None,
            **kw):
   """5 steps of ``make(collection, **kw)``; the final params and state."""
   c = problem.scan()
@@ -75,8 +75,8 @@ def _train(problem, make, params, batch_sharding=None, param_shardings=None,
     grads = jax.grad(problem.loss)(params, batch)
     updates, state = tx.update(grads, state, params, batch=batch)
     new = jax.tree.map(lambda p, u: p + u, params, updates)
-    if param_shardings is not None:
-      new = jax.lax.with_sharding_constraint(new, param_shardings)
+    if out_shardings is not None:
+      new = jax.lax.with_sharding_constraint(new, out_shardings)
     return new, state
 
   for b in problem.batches:
@@ -130,7 +130,7 @@ def test_sharded_steps_match_one_device(problem, devices, reference, name,
     shardings = jax.tree.map(lambda x: x.sharding, params)
   got_params, got_state, tx = _train(
       problem, make, params, NamedSharding(mesh, batch), shardings,
-      mesh=mesh, curvature_axis=axis)
+      mesh=mesh, curvature_axis=axis, param_shardings=shardings)
   helpers.assert_trees_close(got_params, want_params, rtol=1e-5)
   est = _layout_of(problem.scan(), mesh, axis)
   got = _curvature(got_state)
@@ -186,6 +186,22 @@ def test_plan_is_longest_first_and_packs_each_device_row(problem):
         np.testing.assert_array_equal(x, y)
 
 
+def test_the_plan_names_the_arrays_that_enter_whole(problem):
+  """A gradient none of whose axes the device count divides is not split:
+  the plan lists each such parameter leaf, and only those."""
+  est = kl.FisherEstimator(problem.scan())
+  leaves = jax.tree_util.tree_flatten_with_path(problem.params)[0]
+  for devices in (3, 4):
+    want = [jax.tree_util.keystr(p) for p, x in leaves
+            if not any(n % devices == 0 for n in x.shape)]
+    plan = placement.make_plan(est, devices, ("d",))
+    assert list(plan.whole) == want
+    text = plan.describe()
+    assert ("whole on every device" in text) == bool(want), text
+    assert all(p in text for p in want)
+  assert placement.make_plan(est, 3, ("d",)).whole  # Some, at 3 devices.
+
+
 def test_each_device_holds_its_share_of_the_curvature(problem, devices):
   c = problem.scan()
   mesh = _mesh(devices)
@@ -228,6 +244,28 @@ def test_no_collective_moves_the_curvature(problem, devices):
   assert width not in dims, (width, shapes)
 
 
+def test_the_step_keeps_one_row_per_device(problem, devices):
+  """The EMA and the refresh (under its schedule's cond) write their
+  windows of the row in place: the compiled step has no copy of a buffer
+  of the row's width."""
+  c = problem.scan()
+  mesh = _mesh(devices)
+  tx = kl.kfac(1e-2, c, inverse_update_period=3, mesh=mesh,
+               curvature_axis="d")
+  state = jax.jit(tx.init)(problem.params)
+  width = _curvature(state).rows["float32"].shape[1]
+
+  def step(params, state, batch):
+    grads = jax.grad(problem.loss)(params, batch)
+    return tx.update(grads, state, params, batch=batch)
+
+  batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
+  hlo = jax.jit(step, donate_argnums=1).lower(
+      problem.params, state, batch).compile().as_text()
+  copies = re.findall(rf"= f32\[(?:1,)?{width}\]\S* copy\(", hlo)
+  assert f",{width}]" in hlo and not copies, copies
+
+
 # ---- bad input --------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
     (dict(curvature_axis="d"), r"curvature_axis='d' needs mesh="),
@@ -239,6 +277,11 @@ def test_no_collective_moves_the_curvature(problem, devices):
     (dict(mesh=True, curvature_axis=("d", "d")), r"names an axis twice"),
     (dict(mesh=True, curvature_axis="d", axis_name="d"),
      r"axis_name='d' is given with mesh="),
+    (dict(param_shardings={}), r"param_shardings=\.\.\. is given without "
+     r"mesh= and curvature_axis="),
+    (dict(mesh=True, curvature_axis="d", param_shardings={"w": "d"}),
+     r"param_shardings\['w'\]='d' is a str; pass a pytree like params of "
+     r"shardings"),
 ])
 def test_bad_mesh_arguments(problem, devices, kwargs, match):
   if kwargs.get("mesh") is True:
@@ -265,6 +308,43 @@ def test_a_state_of_another_layout_is_reported(problem, devices):
   grads = jax.tree.map(jnp.zeros_like, problem.params)
   with pytest.raises(ValueError, match="not the state of this sharded"):
     tx.update(grads, plain, problem.params, batch=problem.batch)
+
+
+def test_fsdp_updates_leave_the_owners_split(problem, devices):
+  """With ``param_shardings`` the product's program gathers nothing: each
+  layer's update leaves its owner split and lands as the parameters are
+  sharded; without, it is whole on every device. Equal values."""
+  c = problem.scan()
+  mesh = _mesh(devices)
+  params = _fsdp(problem.params, mesh, "d")
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  grads = jax.jit(jax.grad(problem.loss))(params, problem.batch)
+  got = {}
+  for name, kw in (("split", dict(param_shardings=shardings)),
+                   ("whole", {})):
+    est = sharded.place(kl.FisherEstimator(c), mesh, "d", **kw)
+    state = jax.jit(est.init)(params)
+    product = jax.jit(est.multiply_inverse)
+    hlo = product.lower(state, grads).compile().as_text()
+    got[name] = product(state, grads)
+    gathers = re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)
+    assert (not gathers) == (name == "split"), (name, gathers)
+  for x, s in zip(jax.tree.leaves(got["split"]), jax.tree.leaves(shardings)):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+  for x in jax.tree.leaves(got["whole"]):
+    assert x.sharding.is_fully_replicated
+  helpers.assert_trees_close(got["split"], got["whole"], rtol=1e-6)
+
+
+def test_param_shardings_of_another_tree_are_reported(problem, devices):
+  c, mesh = problem.scan(), _mesh(devices)
+  tx = kl.kfac(1e-2, c, mesh=mesh, curvature_axis="d",
+               param_shardings={"w": P("d")})
+  state = tx.init(problem.params)
+  grads = jax.tree.map(jnp.zeros_like, problem.params)
+  with pytest.raises(ValueError, match=r"param_shardings= has the structure "
+                     r".*, but the updates have"):
+    tx.update(grads, state, problem.params, batch=problem.batch)
 
 
 # ---- checkpoints ------------------------------------------------------------
