@@ -206,7 +206,7 @@ def _gpt_first_call(depth: int, name: str) -> dict:
     tx, fraction = char_gpt.adamw_transform(gpt.adam_lr), None
   else:
     tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
-  step = step_profile.make_step(s["loss_fn"], tx, fraction)
+  step = char_gpt.make_step(s["loss_fn"], tx, fraction)
   params, batch = s["params"], s["batch_fn"](0)
   t, _, _ = step_profile.first_call(step, (params, tx.init(params), batch))
   return dict(zip(("trace", "lower", "compile", "run"), t))

@@ -304,7 +304,8 @@ def scale_by_kfac_eigen_adam(
   # step only: count % (2³¹ - 1) is 0 there and never again.
   curvature = update_curvature(
       est, damping=0.0, cov_update_period=cov_update_period,
-      inverse_update_period=eigen_basis.ONCE if power else refresh_period, seed=seed)
+      inverse_update_period=eigen_basis.ONCE if power else refresh_period,
+      seed=seed)
   lay = _layout(est)
 
   def update_fn(updates, state, params=None, *, batch=None, stats=None,
@@ -468,7 +469,7 @@ def kfac_soap(learning_rate: ScalarOrSchedule,
     rotate_second_moments: see :func:`scale_by_kfac_eigen_adam`.
     seed: seed of K-FAC's sampling key.
     estimator: see :func:`scale_by_kfac_eigen_adam`.
-    basis_update: ``"qr"`` or ``"eigh"``, see
+    basis_update: ``"eigh"`` or ``"qr"``, see
       :func:`scale_by_kfac_eigen_adam`.
 
   Returns:
