@@ -10,12 +10,14 @@ convolution, with :math:`p_{b,t}` the input patch at output location ``t``
   \\Gamma = \\frac{1}{B|\\mathcal T|} \\sum_{s,b,t} g_{s,b,t} g_{s,b,t}^T.
 
 A conv used ``U`` times (``kron_indep``, Martens, Ba & Johnson 2018) has
-``c = |T| · U`` and the averages run over uses too. Patches come from
-``lax.conv_general_dilated_patches`` with the layer's strides, padding,
-dilations and dimension numbers, so strided, dilated, SAME/VALID/explicit,
-1-, 2- and 3-D and NCHW convolutions are all exact; the patch features
-(ordered channel-major, ``[c_in, *spatial]``) are reordered to the kernel's
-flatten order ``[*spatial, c_in]``.
+``c = |T| · U`` and the averages run over uses too. Patches follow the
+layer's strides, padding, dilations and dimension numbers, so strided,
+dilated, SAME/VALID/explicit, 1-, 2- and 3-D and NCHW convolutions are all
+exact, in the kernel's flatten order ``[*spatial, c_in]``. On the CPU they
+are ``K`` strided slices of the padded input; elsewhere
+``lax.conv_general_dilated_patches``, a convolution with a one-hot filter
+that costs :math:`B|\\mathcal T|(K c_{in})^2` multiply-adds, as much as
+:math:`\\Omega`'s outer products (:meth:`ConvGeometry.patches`).
 
 ``diagonal`` is the exact diagonal of the per-example Fisher, from
 :math:`\\nabla_{s,b} W = \\sum_t p_{b,t} g_{s,b,t}^T` (TF ``ConvDiagonalFB``).
