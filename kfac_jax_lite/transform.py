@@ -450,9 +450,10 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   refreshes), it reached it within Adam's seconds only on the MNIST
   autoencoder.
   Where the step's cost dominates, ``stats_fraction`` (on ``estimator=``
-  and on :func:`~kfac_jax_lite.value_grad_and_stats`) or a longer
-  ``inverse_update_period`` make it cheaper; :func:`kfac_optimizer`
-  adapts the damping, learning rate and momentum. It is
+  and on :func:`~kfac_jax_lite.value_grad_and_stats`) makes it cheaper;
+  a longer ``inverse_update_period`` does too, but lost steps there;
+  :func:`kfac_optimizer` adapts the damping, learning rate and momentum.
+  It is
 
   ```python
   skip_nonfinite(optax.chain(
