@@ -177,9 +177,10 @@ def run_model(name, args, options):
           f"{adam[lr]['seconds']:.1f}s", flush=True)
   best = min(adam, key=lambda lr: adam[lr]["final"])
   target = adam[best]["final"]
-  if args.stats_fraction is not None:  # Checked against --models.
+  fraction = getattr(args, "stats_fraction", None)  # Checked in parse_args.
+  if fraction is not None:
     options = {**options, "estimator": kl.FisherEstimator(
-        collection, stats_fraction=args.stats_fraction)}
+        collection, stats_fraction=fraction)}
   kfac = {}
   for lr in args.kfac_lrs:
     tx = kl.kfac(lr, collection, **options)
