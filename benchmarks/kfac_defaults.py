@@ -25,7 +25,8 @@ seconds of a row with those of Adam printed beside it, and repeat.
 
 ``--option name=value`` passes a keyword to ``kl.kfac`` (e.g.
 ``--option norm_constraint=none`` or ``--option damping=0.01``) to see
-what a default is worth.
+what a default is worth; ``--stats-fraction f`` gives the Equinox
+autoencoder's ``kl.kfac`` a ``FisherEstimator(stats_fraction=f)``.
 
   python benchmarks/kfac_defaults.py                    # all three models
   python benchmarks/kfac_defaults.py --models equinox_cnn --steps 100
@@ -176,6 +177,10 @@ def run_model(name, args, options):
           f"{adam[lr]['seconds']:.1f}s", flush=True)
   best = min(adam, key=lambda lr: adam[lr]["final"])
   target = adam[best]["final"]
+  fraction = getattr(args, "stats_fraction", None)  # Checked in parse_args.
+  if fraction is not None:
+    options = {**options, "estimator": kl.FisherEstimator(
+        collection, stats_fraction=fraction)}
   kfac = {}
   for lr in args.kfac_lrs:
     tx = kl.kfac(lr, collection, **options)
@@ -229,8 +234,15 @@ def parse_args(argv):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--option", type=parse_option, action="append",
                  default=[], help="name=value keyword for kl.kfac")
+  p.add_argument("--stats-fraction", type=float, default=None,
+                 help="kl.kfac's estimator= a FisherEstimator with this "
+                 "stats_fraction (equinox_cnn only: the other steps take "
+                 "their statistics from value_grad_and_stats)")
   args = p.parse_args(argv)
   args.models = args.models.split(",")
+  if args.stats_fraction is not None and args.models != ["equinox_cnn"]:
+    p.error(f"--stats-fraction {args.stats_fraction}: only with --models "
+            "equinox_cnn, whose step gives kl.kfac the batch")
   bad = [m for m in args.models if m not in MODELS]
   if bad:
     p.error(f"--models: unknown {bad}; choose from {list(MODELS)}")

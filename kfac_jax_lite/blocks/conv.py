@@ -10,12 +10,14 @@ convolution, with :math:`p_{b,t}` the input patch at output location ``t``
   \\Gamma = \\frac{1}{B|\\mathcal T|} \\sum_{s,b,t} g_{s,b,t} g_{s,b,t}^T.
 
 A conv used ``U`` times (``kron_indep``, Martens, Ba & Johnson 2018) has
-``c = |T| · U`` and the averages run over uses too. Patches come from
-``lax.conv_general_dilated_patches`` with the layer's strides, padding,
-dilations and dimension numbers, so strided, dilated, SAME/VALID/explicit,
-1-, 2- and 3-D and NCHW convolutions are all exact; the patch features
-(ordered channel-major, ``[c_in, *spatial]``) are reordered to the kernel's
-flatten order ``[*spatial, c_in]``.
+``c = |T| · U`` and the averages run over uses too. Patches follow the
+layer's strides, padding, dilations and dimension numbers, so strided,
+dilated, SAME/VALID/explicit, 1-, 2- and 3-D and NCHW convolutions are all
+exact, in the kernel's flatten order ``[*spatial, c_in]``. On the CPU they
+are ``K`` strided slices of the padded input; elsewhere
+``lax.conv_general_dilated_patches``, a convolution with a one-hot filter
+that costs :math:`B|\\mathcal T|(K c_{in})^2` multiply-adds, as much as
+:math:`\\Omega`'s outer products (:meth:`ConvGeometry.patches`).
 
 ``diagonal`` is the exact diagonal of the per-example Fisher, from
 :math:`\\nabla_{s,b} W = \\sum_t p_{b,t} g_{s,b,t}^T` (TF ``ConvDiagonalFB``).
@@ -26,6 +28,7 @@ flatten order ``[*spatial, c_in]``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -33,6 +36,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import _xla_cpu
 from kfac_jax_lite import linalg
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import diagonal
@@ -114,11 +118,22 @@ class ConvGeometry:
     return x.transpose((spec[0], *spec[2:], spec[1]))
 
   def patches(self, x):
-    """``x: [N, *x_shape[1:]]`` -> ``[N, L, K·c_in]`` (kernel flatten order)."""
-    dn = self.dimension_numbers
+    """``x: [N, *x_shape[1:]]`` -> ``[N, L, K·c_in]`` (kernel flatten order).
+
+    On the CPU by :meth:`sliced_patches` (``K`` strided slices, no
+    arithmetic); elsewhere by ``lax.conv_general_dilated_patches``, whose
+    one-hot filter costs :math:`N L (K c_{in})^2` multiply-adds, as much
+    as the outer products of the factor itself (chosen when lowering,
+    :func:`kfac_jax_lite._xla_cpu.on_cpu`). The two are equal exactly.
+    """
     if self.is_pointwise:
-      p = self._canonical(x, dn.lhs_spec)
+      p = self._canonical(x, self.dimension_numbers.lhs_spec)
       return p.reshape(x.shape[0], -1, self.c_in)
+    return _xla_cpu.on_cpu(self.sliced_patches, self.conv_patches, x)
+
+  def conv_patches(self, x):
+    """:meth:`patches` by ``lax.conv_general_dilated_patches``."""
+    dn = self.dimension_numbers
     p = lax.conv_general_dilated_patches(
         x, filter_shape=self.spatial_shape,
         window_strides=self.window_strides, padding=self.padding,
@@ -127,6 +142,37 @@ class ConvGeometry:
     p = self._canonical(p, dn.out_spec)
     p = p.reshape(x.shape[0], -1, self.c_in, self.window)
     return jnp.swapaxes(p, -1, -2).reshape(x.shape[0], -1, self.patch_size)
+
+  def sliced_patches(self, x):
+    """:meth:`patches` as strided slices of the padded, dilated input.
+
+    The input (canonical ``[N, *s, c_in]``) is dilated and padded as
+    ``conv_general_dilated`` does (``lax.pad``'s interior padding, string
+    padding from the undilated shape), then window offset ``k`` is the
+    slice from ``k·rhs_dilation`` with step ``window_strides``.
+    """
+    n = len(self.spatial_shape)
+    x = self._canonical(x, self.dimension_numbers.lhs_spec)
+    lhs_dil = self.lhs_dilation or (1,) * n
+    rhs_dil = self.rhs_dilation or (1,) * n
+    eff = [(k - 1) * d + 1 for k, d in zip(self.spatial_shape, rhs_dil)]
+    pads = self.padding
+    if isinstance(pads, str):
+      pads = lax.padtype_to_pads(x.shape[1:-1], eff, self.window_strides,
+                                 pads)
+    x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] + [
+        (lo, hi, d - 1) for (lo, hi), d in zip(pads, lhs_dil)] + [(0, 0, 0)])
+    steps = tuple(self.window_strides)
+    out = [(s - e) // t + 1 for s, e, t in zip(x.shape[1:-1], eff, steps)]
+    cols = []
+    for offset in itertools.product(*map(range, self.spatial_shape)):
+      start = [o * d for o, d in zip(offset, rhs_dil)]
+      limit = [s + (m - 1) * t + 1 for s, m, t in zip(start, out, steps)]
+      cols.append(lax.slice(x, (0, *start, 0),
+                            (x.shape[0], *limit, x.shape[-1]),
+                            (1, *steps, 1)))
+    p = jnp.stack(cols, axis=-2)                    # [N, *out, K, c_in]
+    return p.reshape(x.shape[0], -1, self.patch_size)
 
   def out_rows(self, g, lead: int):
     """``g: [*lead, *y_shape[1:]]`` -> ``[*lead[:-1], lead[-1]·L, c_out]``."""
