@@ -450,17 +450,13 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   directions it scales by up to ``1/λ``, ``gᵀF̂⁻¹g`` grows by orders of
   magnitude within a period and the clipping then shrinks the step to
   almost nothing (without clipping, a learning rate of ``1e-2`` diverges).
-  With both, no learning rate of 1e-3, 1e-2, 1e-1 diverged on the
-  examples' three models, and the best one reached the best Adam's
-  400-step loss in fewer steps on the MNIST autoencoder and the flax CNN
-  (docs/guides/tuning.md has the models, numbers and where a step goes).
-  On a 2-core CPU, where a step costs 2.2 to 4.6 Adam steps (the
-  statistics' sampled backward pass and outer products, preconditioning,
-  refreshes), it reached it within Adam's seconds only on the MNIST
-  autoencoder.
-  Where the step's cost dominates, ``stats_fraction`` (on ``estimator=``
-  and on :func:`~kfac_jax_lite.value_grad_and_stats`) makes it cheaper;
-  a longer ``inverse_update_period`` does too, but lost steps there;
+  With both, no rate of 1e-3, 1e-2, 1e-1 diverged on the examples' three
+  models, and the best reached the best Adam's 400-step loss in fewer
+  steps on the MNIST autoencoder and the flax CNN (docs/guides/tuning.md
+  has the models, numbers and where a step goes); within Adam's seconds
+  only on the MNIST autoencoder, where fewer steps repay the step's
+  statistics pass, outer products, preconditioning and refreshes. ``stats_fraction`` (on ``estimator=`` and on
+  :func:`~kfac_jax_lite.value_grad_and_stats`) makes the step cheaper;
   :func:`kfac_optimizer` adapts the damping, learning rate and momentum.
   It is
 
