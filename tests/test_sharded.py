@@ -219,23 +219,29 @@ def test_each_device_holds_its_share_of_the_curvature(problem, devices):
       per_device, total, plan.describe())
 
 
-def test_no_collective_moves_the_curvature(problem, devices):
-  """The compiled step's collectives carry statistics inputs, gradients and
-  updates, never a device's row of curvature: no collective has the row's
-  width in its shape, and the exchange to the owners is an all-to-all."""
-  c = problem.scan()
+def _compiled_kfac_step(problem, devices, period, **jit_kwargs):
+  """``(hlo, width)``: the compiled text of a sharded ``kfac`` step (batch
+  split over the mesh) and the width of a device's float32 row."""
   mesh = _mesh(devices)
-  tx = kl.kfac(1e-2, c, inverse_update_period=1, mesh=mesh,
-               curvature_axis="d")
+  tx = kl.kfac(1e-2, problem.scan(), inverse_update_period=period,
+               mesh=mesh, curvature_axis="d")
   state = jax.jit(tx.init)(problem.params)
-  width = _curvature(state).rows["float32"].shape[1]
 
   def step(params, state, batch):
     grads = jax.grad(problem.loss)(params, batch)
     return tx.update(grads, state, params, batch=batch)
 
   batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
-  hlo = jax.jit(step).lower(problem.params, state, batch).compile().as_text()
+  hlo = jax.jit(step, **jit_kwargs).lower(problem.params, state,
+                                          batch).compile().as_text()
+  return hlo, _curvature(state).rows["float32"].shape[1]
+
+
+def test_no_collective_moves_the_curvature(problem, devices):
+  """The compiled step's collectives carry statistics inputs, gradients and
+  updates, never a device's row of curvature: no collective has the row's
+  width in its shape, and the exchange to the owners is an all-to-all."""
+  hlo, width = _compiled_kfac_step(problem, devices, 1)
   shapes = re.findall(r"= (.*?) (?:all-gather|all-reduce|all-to-all|"
                       r"reduce-scatter|collective-permute)(?:-start)?\(", hlo)
   assert "all-to-all(" in hlo and shapes
@@ -248,20 +254,7 @@ def test_the_step_keeps_one_row_per_device(problem, devices):
   """The EMA and the refresh (under its schedule's cond) write their
   windows of the row in place: the compiled step has no copy of a buffer
   of the row's width."""
-  c = problem.scan()
-  mesh = _mesh(devices)
-  tx = kl.kfac(1e-2, c, inverse_update_period=3, mesh=mesh,
-               curvature_axis="d")
-  state = jax.jit(tx.init)(problem.params)
-  width = _curvature(state).rows["float32"].shape[1]
-
-  def step(params, state, batch):
-    grads = jax.grad(problem.loss)(params, batch)
-    return tx.update(grads, state, params, batch=batch)
-
-  batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
-  hlo = jax.jit(step, donate_argnums=1).lower(
-      problem.params, state, batch).compile().as_text()
+  hlo, width = _compiled_kfac_step(problem, devices, 3, donate_argnums=1)
   copies = re.findall(rf"= f32\[(?:1,)?{width}\]\S* copy\(", hlo)
   assert f",{width}]" in hlo and not copies, copies
 
