@@ -455,10 +455,10 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   steps on the MNIST autoencoder and the flax CNN (docs/guides/tuning.md
   has the models, numbers and where a step goes); within Adam's seconds
   only on the MNIST autoencoder, where fewer steps repay the step's
-  statistics pass, outer products, preconditioning and refreshes. ``stats_fraction`` (on ``estimator=`` and on
+  statistics pass, outer products, preconditioning and refreshes.
+  ``stats_fraction`` (on ``estimator=`` and on
   :func:`~kfac_jax_lite.value_grad_and_stats`) makes the step cheaper;
-  :func:`kfac_optimizer` adapts the damping, learning rate and momentum.
-  It is
+  :func:`kfac_optimizer` adapts the damping, learning rate and momentum. It is
 
   ```python
   skip_nonfinite(optax.chain(
