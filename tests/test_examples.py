@@ -1,5 +1,6 @@
 """Smoke tests: the examples run end to end with tiny sizes."""
 
+import json
 import math
 import os
 import subprocess
@@ -258,3 +259,21 @@ def test_transformer_race_smoke_tables_and_plot(tmp_path):
   # AdamW reaches its own losses at exactly 10 and 20 steps.
   assert "| AdamW | 10 (1.00×) |" in text, text
   assert "Fastest to AdamW's loss" in out and png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "kfac"])
+def test_compile_depth_times_the_gpt_first_call(optimizer):
+  """benchmarks/compile_depth.py's GPT child (what ``--gpt`` runs in a
+  fresh process per depth): the first call of the char GPT's step at one
+  block, as four positive stage times."""
+  pytest.importorskip("flax")
+  root = helpers.ROOT
+  cmd = [sys.executable, str(root / "benchmarks" / "compile_depth.py"),
+         "--gpt-child", "1", optimizer]
+  env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                       timeout=600, check=True).stdout
+  times = json.loads(out.strip().splitlines()[-1])
+  assert sorted(times) == ["compile", "lower", "run", "trace"], out
+  assert all(t > 0 for t in times.values()), times
