@@ -35,6 +35,7 @@ if DEVICES > 1:
       f" --xla_force_host_platform_device_count={DEVICES}")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import faulthandler  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -46,6 +47,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax_lite as kl  # noqa: E402
+
+# tests/test_exit.py sends SIGUSR1 to a child that does not exit in time:
+# every thread's Python stack then goes to stderr, even from a thread
+# blocked in C code.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 WIDTHS = (64, 384, 384, 10)
 BATCH = 64  # Per device.

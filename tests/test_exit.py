@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(ROOT, "tests", "exit_child.py")
 START_LIMIT_S = 600  # Import, trace, compile and the first step.
 EXIT_LIMIT_S = 120  # From the end of the script to the end of the process.
+STACK_WAIT_S = 5  # For a hung child's stack dump to arrive.
 
 # case -> (signal sent once the steps are queued, expected exit status).
 CASES = {
@@ -81,8 +82,13 @@ def run_case(case, devices, mode, cache_dir, adam=False):
     try:
       status = proc.wait(EXIT_LIMIT_S)
     except subprocess.TimeoutExpired:
+      # The child dumps every thread's Python stack on SIGUSR1
+      # (faulthandler): where it hangs goes into the failure.
+      proc.send_signal(signal.SIGUSR1)
+      time.sleep(STACK_WAIT_S)
       pytest.fail(f"{cmd}: hung, no exit {EXIT_LIMIT_S} s after the end "
-                  "of the script:\n" + "".join(lines[-30:]))
+                  "of the script; its output and threads' stacks:\n"
+                  + "".join(lines[-80:]))
     exited = time.monotonic() - ended
   finally:
     if proc.poll() is None:
