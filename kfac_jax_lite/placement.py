@@ -132,8 +132,9 @@ def param_layout(mesh, param_shardings, tree):
   want = jax.tree.structure(tree)
   if treedef != want:
     raise ValueError(
-        f"param_shardings= has the structure {treedef}, but the updates "
-        f"have {want}; pass one sharding per parameter leaf, e.g. "
+        f"param_shardings= has the structure {treedef}, but the parameters "
+        f"(and their updates) have {want}; pass one sharding per parameter "
+        "leaf, e.g. "
         "jax.tree.map(lambda x: x.sharding, params).")
   return jax.tree.unflatten(treedef, [
       x if isinstance(x, jax.sharding.Sharding) else

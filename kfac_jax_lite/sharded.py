@@ -293,11 +293,13 @@ class ShardedEstimator:
     its owner.
 
     Raises:
-      ValueError: if ``params`` does not match the collection, or lies on
-        devices outside the mesh.
+      ValueError: if ``params`` does not match the collection or
+        ``param_shardings``, or lies on devices outside the mesh.
     """
     placement.check_devices(self.mesh, params)
     self.estimator.collection.check_params(params)
+    if self.param_shardings is not None:
+      placement.param_layout(self.mesh, self.param_shardings, params)
     est, layout = self.estimator, self.layout
 
     def body():
