@@ -52,6 +52,10 @@ import kfac_jax_lite as kl  # noqa: E402
 # every thread's Python stack then goes to stderr, even from a thread
 # blocked in C code.
 faulthandler.register(signal.SIGUSR1, all_threads=True)
+# SIGINT raises KeyboardInterrupt, as in a script started from a terminal,
+# also where this process inherited SIGINT ignored (Python then leaves it
+# ignored: a command a shell without job control starts with `&`).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 WIDTHS = (64, 384, 384, 10)
 BATCH = 64  # Per device.
