@@ -121,8 +121,10 @@ class _LinenMLP(nn.Module):
     return nn.Dense(3, use_bias=self.use_bias)(x)
 
 
-@pytest.mark.parametrize("use_bias", [True, False])
-@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("act,use_bias", [
+    ("relu", True), ("gelu", False),
+    pytest.param("relu", False, marks=pytest.mark.slow),
+    pytest.param("gelu", True, marks=pytest.mark.slow)])
 def test_linen_mlp(use_bias, act):
   loss_fn, params, batch = _linen(_LinenMLP(use_bias, act), _x(B, 5),
                                   _labels(B))

@@ -116,7 +116,8 @@ def _full_fisher(loss_fn, params, batch, mode="exact_GGN", **kw):
   return np.asarray(est.full_fisher(state))
 
 
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize(
+    "masked", [True, pytest.param(False, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", LOSSES)
 def test_exact_ggn_is_that_of_the_users_mean_loss(name, masked):
   params, batch = _params(), _batch(name)

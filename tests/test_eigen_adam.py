@@ -100,8 +100,10 @@ def _reference(grads, factors, period, rotate_nu, basis):
   return out
 
 
-@pytest.mark.parametrize("basis", ["qr", "eigh"])
-@pytest.mark.parametrize("rotate_nu", [False, True])
+@pytest.mark.parametrize("rotate_nu,basis", [
+    (False, "qr"), (True, "eigh"),
+    pytest.param(True, "qr", marks=pytest.mark.slow),
+    pytest.param(False, "eigh", marks=pytest.mark.slow)])
 def test_rotated_moments_match_a_dense_reference(rotate_nu, basis):
   params, batches, c = _problem()
   tx = kl.scale_by_kfac_eigen_adam(
@@ -230,7 +232,8 @@ def test_skips_a_nonfinite_step_and_keeps_its_moments():
     np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("basis", ["eigh", "qr"])
+@pytest.mark.parametrize(
+    "basis", ["eigh", pytest.param("qr", marks=pytest.mark.slow)])
 def test_data_parallel_matches_one_device(basis):
   """shard_map over 4 devices (a quarter of the batch each, gradients
   averaged, factors averaged over the axis) gives the one-device run."""

@@ -309,7 +309,11 @@ def _transposed(params):
   return [{"w": p["w"].T, "b": p["b"]} for p in params]
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# Three layouts (the transposed product, an einsum, Equinox's own Linear) in
+# the default tier, the rest slow.
+@pytest.mark.parametrize("layout", [
+    l if l in ("x_at_wT", "einsum_out_first", "equinox_linear")
+    else pytest.param(l, marks=pytest.mark.slow) for l in sorted(LAYOUTS)])
 def test_direction_does_not_depend_on_layout(layout):
   params = _mlp_params(jax.random.PRNGKey(0), (5, 6, 4))
   x = jax.random.normal(jax.random.PRNGKey(1), (B, 5))
@@ -321,8 +325,9 @@ def test_direction_does_not_depend_on_layout(layout):
     np.testing.assert_allclose(g["b"], w["b"], rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("approx", ["kron", "kron_in_diag", "diagonal",
-                                    "full", "ekfac"])
+@pytest.mark.parametrize("approx", [
+    "kron", "diagonal", *(pytest.param(a, marks=pytest.mark.slow)
+                          for a in ("kron_in_diag", "full", "ekfac"))])
 def test_every_dense_block_reads_the_transposed_kernel(approx):
   params = _mlp_params(jax.random.PRNGKey(3), (4, 5, 3))
   x = jax.random.normal(jax.random.PRNGKey(4), (B, 4))
@@ -411,7 +416,8 @@ def test_params_with_none_leaves():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mapping", ["shard_map", "pmap"])
+@pytest.mark.parametrize(
+    "mapping", ["pmap", pytest.param("shard_map", marks=pytest.mark.slow)])
 def test_data_parallel_matches_one_device(mapping):
   r = 4
   if len(jax.devices()) < r:

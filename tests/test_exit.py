@@ -129,7 +129,14 @@ def _cached_steps(cache_dir):
   return [name for name in os.listdir(cache_dir) if name.startswith("jit_")]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# One device: the plain end, an exception and Ctrl-C in the default tier;
+# the other ways out (their points also checked on eight devices) are slow.
+ONE_DEVICE_DEFAULT = ("end", "raise", "signal")
+
+
+@pytest.mark.parametrize("case", [
+    c if c in ONE_DEVICE_DEFAULT else pytest.param(c, marks=pytest.mark.slow)
+    for c in CASES])
 def test_exits_on_one_device(case, cache_dir):
   check_case(case, 1, "jit", cache_dir)
   assert _cached_steps(cache_dir), "the step is not in the persistent cache"

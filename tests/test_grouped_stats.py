@@ -112,7 +112,8 @@ def _per_layer_ema(est, state, stats, decay):
       est.blocks, state.blocks, stats.blocks))
 
 
-@pytest.mark.parametrize("nan_layer", [None, 2, 0])
+@pytest.mark.parametrize(
+    "nan_layer", [None, 2, pytest.param(0, marks=pytest.mark.slow)])
 def test_grouped_ema_equals_per_layer_ema(nan_layer):
   est, params, batch = _estimator()
   state = _some_state(est, params, batch)

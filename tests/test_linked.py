@@ -45,8 +45,10 @@ def _tagged(params, batch):
 GROUP = ("['enc']['w']", "['dec']['w']")
 
 
-@pytest.mark.parametrize("how", ["tag", "link"])
-@pytest.mark.parametrize("approx", ["full", "diagonal"])
+@pytest.mark.parametrize("how,approx", [
+    ("tag", "full"), ("link", "diagonal"),
+    pytest.param("link", "full", marks=pytest.mark.slow),
+    pytest.param("tag", "diagonal", marks=pytest.mark.slow)])
 def test_linked_leaves_are_one_block_over_their_concatenation(how, approx):
   """Empirical mode: the cotangent of each position is its NLL gradient
   (``w = 1``, ``N = B``), so the summed source gradient is ``B ∇L`` and the

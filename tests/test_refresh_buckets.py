@@ -38,7 +38,8 @@ def _estimator_and_state(**kw):
 @pytest.mark.parametrize("kw", [
     dict(exps=(-1,)),
     dict(exps=(-1, -0.5)),
-    dict(exps=(-1,), compute_cholesky=True),
+    pytest.param(dict(exps=(-1,), compute_cholesky=True),
+                 marks=pytest.mark.slow),
     dict(exps=(-1, -0.5), compute_cholesky=True,
          compute_cholesky_inverse=True),
 ])

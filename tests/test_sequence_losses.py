@@ -120,7 +120,8 @@ def _full_fisher(loss_fn, params, batch, mode="exact_GGN", approx="full",
       est.init(p), p, b, jax.random.PRNGKey(5))))(params, batch))
 
 
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize(
+    "masked", [True, pytest.param(False, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_exact_ggn_is_that_of_the_users_mean_loss(kind, masked):
   params, batch = _params(), _batch(kind)
@@ -137,7 +138,8 @@ def test_exact_ggn_is_that_of_the_users_mean_loss(kind, masked):
 
 @pytest.mark.parametrize("mode", ["gradients", "curvature_prop", "empirical",
                                   "exact"])
-@pytest.mark.parametrize("approx", ["kron_indep", "full"])
+@pytest.mark.parametrize(
+    "approx", ["kron_indep", pytest.param("full", marks=pytest.mark.slow)])
 def test_flattened_and_nested_tags_give_the_same_statistics(mode, approx):
   params, batch = _params(), _batch("categorical")
   got = [_full_fisher(_loss_fn("categorical", flat, True), params, batch,
