@@ -130,7 +130,11 @@ def test_exact_ggn_is_that_of_the_users_mean_loss(name, masked):
   np.testing.assert_allclose(flat, want, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", LOSSES)
+# Every loss's factor also enters test_exact_ggn_is_that_of_the_users_mean_loss
+# (default tier); the squares of the other two are checked in the slow tier.
+@pytest.mark.parametrize("name", [
+    n if n == "smoothed_ce" else pytest.param(n, marks=pytest.mark.slow)
+    for n in LOSSES])
 def test_ggn_factor_squares_to_the_per_position_hessian(name):
   """``B Bᵀ = H_n`` per position: the factor of ``curvature_prop_GGN``."""
   batch = _batch(name)

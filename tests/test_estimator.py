@@ -124,8 +124,11 @@ def test_single_example_full_fisher_equals_jacobian_fisher(kind):
                              atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["gradients", "curvature_prop",
-                                  "curvature_prop_GGN"])
+# curvature_prop_GGN's mean is also checked, faster, by test_custom_losses.py's
+# test_curvature_prop_ggn_averages_to_the_exact_ggn.
+@pytest.mark.parametrize("mode", [
+    "gradients", "curvature_prop",
+    pytest.param("curvature_prop_GGN", marks=pytest.mark.slow)])
 def test_sampled_modes_converge_to_exact(mode):
   params, batch, loss_fn = _problem("categorical", n=3)
   c = kl.scan(loss_fn, params, batch)
