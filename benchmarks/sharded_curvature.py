@@ -15,8 +15,9 @@ addressable shards; the replicated state's from its shapes, as every
 device holds all of it), the compiled step's peak from
 ``compiled.memory_analysis()`` (arguments + outputs + temporaries -
 aliased), and the refresh's flops from the compiled refresh program's
-``cost_analysis()``. Nothing at ``--width`` is run (only compiled and the
-sharded state initialised); the wall-clock of a step with a refresh is
+``cost_analysis()`` and its peak (the state donated, as in a step).
+Nothing at ``--width`` is run (only compiled and the sharded state
+initialised); the wall-clock of a step with a refresh is
 measured at ``--run-width`` (default 256), sharded and replicated
 alternating in one process, median of ``--repeats``.
 
@@ -132,6 +133,8 @@ def measure_memory(args, gpt, mesh):
     s = jax.eval_shape(e.init, params)
     cost = jax.jit(e.update_cache).lower(s).compile().cost_analysis()
     rows[name]["refresh_flops"] = float(cost.get("flops", 0.0))
+    rows[name]["refresh_peak"] = peak(jax.jit(
+        e.update_cache, donate_argnums=0).lower(s).compile())
   return rows, total, sh.describe()
 
 
@@ -181,11 +184,12 @@ def main(argv=None):
         f"(MiB); total curvature {total / 2**20:.1f} MiB, total/{r} = "
         f"{total / r / 2**20:.1f}")
   print(f"{'program':<12}{'curvature':>10}{'step peak':>10}"
-        f"{'refresh GFLOP':>15}")
+        f"{'refresh GFLOP':>15}{'refresh peak':>14}")
   for name, row in rows.items():
     print(f"{name:<12}{mib(row['curvature']) if 'curvature' in row else '-':>10}"
           f"{mib(row['peak']):>10}"
-          f"{row.get('refresh_flops', 0) / 1e9 if 'refresh_flops' in row else 0:>15.3f}")
+          f"{row.get('refresh_flops', 0) / 1e9 if 'refresh_flops' in row else 0:>15.3f}"
+          f"{mib(row['refresh_peak']) if 'refresh_peak' in row else '-':>14}")
   sh, rep, adam = rows["sharded"], rows["replicated"], rows["adamw"]
   print(f"sharded curvature / (total/{r}): "
         f"{sh['curvature'] * r / total:.3f}")

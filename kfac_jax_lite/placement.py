@@ -376,15 +376,28 @@ class Layout:
 
   def window(self, rows: dict, old: dict, new: dict, spans: dict) -> dict:
     """``{dtype: rows[dtype][lo:hi]}`` with the leaves of ``new`` that are
-    not ``old``'s (:meth:`changed`, inside the ``spans``) written in."""
-    out = {dt: rows[dt][lo:hi] for dt, (lo, hi) in spans.items()}
+    not ``old``'s (:meth:`changed`, inside the ``spans``) written in.
+
+    Built as one concatenation of the new leaves and the old row's pieces
+    between them: the window is materialised once, from its pieces, with
+    no copy of the old window to write into."""
+    parts: dict = {dt: [] for dt in spans}
     for i, state in new.items():
       for s, n, o in zip(self.slots[i], jax.tree.leaves(state),
                          jax.tree.leaves(old[i])):
         if n is not o:
-          out[s.dtype] = jax.lax.dynamic_update_slice_in_dim(
-              out[s.dtype], jnp.ravel(n).astype(s.dtype),
-              s.offset - spans[s.dtype][0], 0)
+          parts[s.dtype].append((s.offset, jnp.ravel(n).astype(s.dtype)))
+    out = {}
+    for dt, (lo, hi) in spans.items():
+      pieces, at = [], lo
+      for off, x in sorted(parts[dt], key=lambda p: p[0]):
+        if off > at:
+          pieces.append(rows[dt][at:off])
+        pieces.append(x)
+        at = off + x.size
+      if at < hi:
+        pieces.append(rows[dt][at:hi])
+      out[dt] = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
     return out
 
   def keep_unrefreshed(self, old: dict, new: dict) -> dict:

@@ -14,8 +14,11 @@ Two structures do that:
   read the row and return only the window of it that they change (the
   same offsets on every device), written in after the switch (the
   refresh, whose layers are batched together: reads of every layer come
-  before any write). Its compiled program counts the flops of one
-  device's branch, where a cond per device counts every device's.
+  before any write). Each branch builds its window once, as one
+  concatenation of the new leaves and the old row between them: new
+  leaves written into a slice of the row make XLA copy the slice first,
+  so the window is live twice. Its compiled program counts the flops of
+  one device's branch, where a cond per device counts every device's.
 
 A ``lax.switch`` that returns the whole row, or a row reshaped to ``[L]``
 around a conditional, makes XLA copy the row.

@@ -8,6 +8,7 @@ the mesh by the plan. ``tests/sharded_worker.py`` checks the same on 8
 devices in a subprocess.
 """
 
+import math
 import os
 import re
 import socket
@@ -257,6 +258,50 @@ def test_the_step_keeps_one_row_per_device(problem, devices):
   hlo, width = _compiled_kfac_step(problem, devices, 3, donate_argnums=1)
   copies = re.findall(rf"= f32\[(?:1,)?{width}\]\S* copy\(", hlo)
   assert f",{width}]" in hlo and not copies, copies
+
+
+def _compiled_refresh(estimator, params):
+  """The compiled ``update_cache`` of ``estimator`` (its state donated,
+  as in a step)."""
+  state = jax.eval_shape(estimator.init, params)
+  return jax.jit(estimator.update_cache, donate_argnums=0).lower(
+      state).compile()
+
+
+def _largest_leaf(estimator) -> int:
+  return max(math.prod(x.shape) for b in estimator.blocks
+             for x in jax.tree.leaves(jax.eval_shape(b.init)))
+
+
+def test_the_refresh_copies_no_window(problem, devices):
+  """Each device's refresh materialises the window of new caches it
+  writes into its row once, as one concatenation of its pieces: the
+  compiled refresh copies no 1-D buffer longer than a block's largest
+  leaf (only a window is; a window sliced from the row and then copied
+  to be written into is held twice)."""
+  est = kl.FisherEstimator(problem.scan())
+  sh = sharded.place(est, _mesh(devices), "d")
+  copies = [int(n) for n in re.findall(
+      r"= f32\[(\d+)\]\S* copy\(",
+      _compiled_refresh(sh, problem.params).as_text())]
+  assert all(n <= _largest_leaf(est) for n in copies), copies
+
+
+@pytest.mark.slow
+def test_a_device_refresh_holds_less_than_the_whole_refresh(devices):
+  """With one block dominating (64 x 64 factors) a device's refresh
+  holds fewer temporaries than the same refresh without a mesh: both
+  hold about the working set of that block's refresh; the one without a
+  mesh holds every block's new caches besides, a device one window of
+  its own (held twice, it would hold more)."""
+  problem = problems.mlp_classifier((8, 64, 8, 4), 32, 1)
+  est = kl.FisherEstimator(problem.scan())
+  sh = sharded.place(est, _mesh(devices), "d")
+  temp = _compiled_refresh(sh, problem.params).memory_analysis(
+      ).temp_size_in_bytes
+  alone = _compiled_refresh(est, problem.params).memory_analysis(
+      ).temp_size_in_bytes
+  assert temp < alone, (temp, alone)
 
 
 # ---- bad input --------------------------------------------------------------
