@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
+from kfac_jax_lite import linearization
 from kfac_jax_lite import trees
 
 # ``kfac``'s default KL-clipping bound ``C`` (``norm_constraint``): the
@@ -29,6 +31,12 @@ DEFAULT_NORM_CONSTRAINT = 1e-3
 # ``kfac``'s default refresh warm-up (``inverse_update_warmup``): the
 # damped inverses are refreshed at each of the first 20 steps.
 DEFAULT_INVERSE_UPDATE_WARMUP = 20
+
+# ``kfac``'s default ``stats_fraction``: the statistics it computes from
+# ``batch=`` use the first quarter of the batch, and at least
+# ``STATS_MIN_EXAMPLES`` examples (``FisherEstimator``'s floor).
+DEFAULT_STATS_FRACTION = 0.25
+STATS_MIN_EXAMPLES = 64
 
 
 def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
@@ -69,3 +77,43 @@ def refresh_due(count, period, warmup):
   (``w = warmup``, ``p = period``; ``w = 0`` is the plain period).
   """
   return ((count % period) == 0) | (count < warmup)
+
+
+def first_examples_of(batch, fraction: float, minimum: int = 1):
+  """The first ``min(B, max(⌈f·B⌉, minimum))`` examples of every leaf of
+  ``batch`` whose leading axis has ``B`` entries, ``B`` that of the first
+  leaf with an axis."""
+  sized = [x for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)]
+  if fraction >= 1.0 or not sized:
+    return batch
+  total = sized[0].shape[0]
+  return linearization.batch_head(
+      batch, total, linearization.stats_rows(total, fraction, minimum))
+
+
+def statistics_from_head(inner: optax.GradientTransformation,
+                         fraction: float, minimum: int = 1
+                         ) -> optax.GradientTransformationExtraArgs:
+  """``inner`` given only the first examples of ``batch=``
+  (:func:`first_examples_of`); ``stats=`` passes unchanged."""
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, *, batch=None, **extra_args):
+    if batch is not None:
+      batch = first_examples_of(batch, fraction, minimum)
+    return inner.update(updates, state, params, batch=batch, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def kfac_statistics_share(inner, fraction, estimator):
+  """:func:`kfac`'s ``stats_fraction``: ``inner`` given the first
+  ``max(⌈f·B⌉, 64)`` examples of ``batch=`` (all ``B`` if fewer), ``f``
+  the ``fraction`` or, when None, :data:`DEFAULT_STATS_FRACTION` without
+  an ``estimator`` and 1 with one (its own ``stats_fraction`` applies)."""
+  if fraction is None:
+    fraction = 1.0 if estimator is not None else DEFAULT_STATS_FRACTION
+  linearization.check_fraction(fraction)
+  if fraction >= 1.0:
+    return inner
+  return statistics_from_head(inner, fraction, STATS_MIN_EXAMPLES)

@@ -428,6 +428,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          mesh: Any = None, curvature_axis: Any = None,
          inverse_update_warmup: int = DEFAULT_INVERSE_UPDATE_WARMUP,
          param_shardings: Any = None,
+         stats_fraction: Optional[float] = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
 
@@ -531,7 +532,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   """
   check_hyperparameter("momentum", momentum)
   check_hyperparameter("weight_decay", weight_decay)
-  parts: list[optax.GradientTransformation] = [scale_by_kfac(
+  first = scale_by_kfac(
       collection, damping=damping, cov_ema_decay=cov_ema_decay,
       cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,
@@ -541,7 +542,9 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       seed=seed, estimator=estimator, mesh=mesh,
       curvature_axis=curvature_axis,
       inverse_update_warmup=inverse_update_warmup,
-      param_shardings=param_shardings)]
+      param_shardings=param_shardings)
+  parts: list[optax.GradientTransformation] = [
+      step_rules.kfac_statistics_share(first, stats_fraction, estimator)]
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   if not isinstance(momentum, (int, float)) or momentum:
