@@ -32,10 +32,8 @@ DEFAULT_NORM_CONSTRAINT = 1e-3
 # damped inverses are refreshed at each of the first 20 steps.
 DEFAULT_INVERSE_UPDATE_WARMUP = 20
 
-# ``kfac``'s default ``stats_fraction``: the statistics it computes from
-# ``batch=`` use the first quarter of the batch, and at least
-# ``STATS_MIN_EXAMPLES`` examples (``FisherEstimator``'s floor).
-DEFAULT_STATS_FRACTION = 0.25
+# The fewest examples ``kfac``'s ``stats_fraction`` keeps of ``batch=``
+# (``FisherEstimator``'s ``stats_min_examples`` default).
 STATS_MIN_EXAMPLES = 64
 
 
@@ -106,13 +104,9 @@ def statistics_from_head(inner: optax.GradientTransformation,
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
-def kfac_statistics_share(inner, fraction, estimator):
+def kfac_statistics_share(inner, fraction):
   """:func:`kfac`'s ``stats_fraction``: ``inner`` given the first
-  ``max(⌈f·B⌉, 64)`` examples of ``batch=`` (all ``B`` if fewer), ``f``
-  the ``fraction`` or, when None, :data:`DEFAULT_STATS_FRACTION` without
-  an ``estimator`` and 1 with one (its own ``stats_fraction`` applies)."""
-  if fraction is None:
-    fraction = 1.0 if estimator is not None else DEFAULT_STATS_FRACTION
+  ``max(⌈f·B⌉, 64)`` examples of ``batch=`` (all ``B`` if fewer)."""
   linearization.check_fraction(fraction)
   if fraction >= 1.0:
     return inner

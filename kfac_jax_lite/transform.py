@@ -428,7 +428,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          mesh: Any = None, curvature_axis: Any = None,
          inverse_update_warmup: int = DEFAULT_INVERSE_UPDATE_WARMUP,
          param_shardings: Any = None,
-         stats_fraction: Optional[float] = None,
+         stats_fraction: float = 1.0,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
 
@@ -544,7 +544,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       inverse_update_warmup=inverse_update_warmup,
       param_shardings=param_shardings)
   parts: list[optax.GradientTransformation] = [
-      step_rules.kfac_statistics_share(first, stats_fraction, estimator)]
+      step_rules.kfac_statistics_share(first, stats_fraction)]
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   if not isinstance(momentum, (int, float)) or momentum:

@@ -86,9 +86,8 @@ def test_bad_fraction_names_the_argument(bad):
   collection = kl.scan(helpers.classifier_loss, params, batch)
   with pytest.raises(ValueError, match="stats_fraction"):
     kl.FisherEstimator(collection, stats_fraction=bad)
-  if bad is not None:  # None is kfac's default (a quarter, or estimator's).
-    with pytest.raises(ValueError, match="stats_fraction"):
-      kl.kfac(1e-2, collection, stats_fraction=bad)
+  with pytest.raises(ValueError, match="stats_fraction"):
+    kl.kfac(1e-2, collection, stats_fraction=bad)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, True])
@@ -282,7 +281,7 @@ def test_uncut_batch_warns_and_keeps_the_whole_batch():
 
 
 @pytest.mark.slow
-def test_kfac_and_kfac_optimizer_use_a_quarter_of_large_batches():
+def test_kfac_optimizer_uses_a_quarter_of_large_batches_by_default():
   params, batch = _problem(n=256)
   collection = kl.scan(helpers.classifier_loss, params, batch)
   tx = kl.kfac_optimizer(collection, estimation_mode="exact")
@@ -295,14 +294,12 @@ def test_kfac_and_kfac_optimizer_use_a_quarter_of_large_batches():
   for g, w, e in zip(got, want.blocks, every.blocks):
     np.testing.assert_allclose(g.a, w["a"], rtol=1e-5, atol=1e-6)
     assert not np.allclose(g.a, e["a"], rtol=1e-3, atol=1e-5)
-  # kfac's own statistics (batch=) use the same head by default;
-  # stats_fraction=1 and estimator= (its own fraction, 1 here) keep every
-  # example.
-  est = kl.FisherEstimator(collection, estimation_mode="exact")
-  for kw, ref in (({}, want), ({"stats_fraction": 1.0}, every),
-                  ({"estimator": est}, every)):
-    tx = kl.kfac(1e-2, collection, **kw) if "estimator" in kw else (
-        kl.kfac(1e-2, collection, estimation_mode="exact", **kw))
+  # kfac keeps every example by default (its stats= may come from the
+  # caller's value_grad_and_stats, whose default is the whole batch too);
+  # stats_fraction=0.125 keeps its floor of 64 examples (not 32): the
+  # head kfac_optimizer's default takes.
+  for kw, ref in (({}, every), ({"stats_fraction": 0.125}, want)):
+    tx = kl.kfac(1e-2, collection, estimation_mode="exact", **kw)
     _, state = jax.jit(lambda g, s, p, b, tx=tx: tx.update(
         g, s, p, batch=b))(params, tx.init(params), params, batch)
     for g, r in zip(state.inner[0].estimator.blocks, ref.blocks):
