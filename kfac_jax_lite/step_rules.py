@@ -106,7 +106,16 @@ def statistics_from_head(inner: optax.GradientTransformation,
 
 def kfac_statistics_share(inner, fraction):
   """:func:`kfac`'s ``stats_fraction``: ``inner`` given the first
-  ``max(⌈f·B⌉, 64)`` examples of ``batch=`` (all ``B`` if fewer)."""
+  ``max(⌈f·B⌉, 64)`` examples of ``batch=`` (all ``B`` if fewer); None
+  keeps every example (and stays out of ``optax.inject_hyperparams``)."""
+  if isinstance(fraction, jax.Array):
+    raise ValueError(
+        f"stats_fraction={fraction!r} is an array (optax.inject_hyperparams"
+        " makes every number one): it sets the statistics' batch shape, so "
+        "name it static, inject_hyperparams(kfac, static_args="
+        "('stats_fraction',)).")
+  if fraction is None:
+    return inner
   linearization.check_fraction(fraction)
   if fraction >= 1.0:
     return inner

@@ -428,7 +428,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          mesh: Any = None, curvature_axis: Any = None,
          inverse_update_warmup: int = DEFAULT_INVERSE_UPDATE_WARMUP,
          param_shardings: Any = None,
-         stats_fraction: float = 1.0,
+         stats_fraction: Optional[float] = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
 
@@ -495,8 +495,9 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     param_shardings: the FSDP parameters' shardings (:func:`scale_by_kfac`).
     stats_fraction: ``f ∈ (0, 1]``: the statistics computed from
       ``batch=`` use its first ``max(⌈f·B⌉, 64)`` examples (all ``B`` if
-      fewer; the example axis first), as ``kfac_adamw``'s. ``stats=``
-      are the caller's (``value_grad_and_stats`` takes one too).
+      fewer; the example axis first), as ``kfac_adamw``'s; None (default):
+      all. ``stats=`` are the caller's (``value_grad_and_stats`` takes one
+      too). Static under ``optax.inject_hyperparams`` (``static_args``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` of descent updates (add
@@ -521,9 +522,9 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     >>> params = optax.apply_updates(params, updates)
 
   Works under ``optax.inject_hyperparams`` (``learning_rate``, ``damping``,
-  ``momentum``, ``weight_decay`` injectable; it makes every number an
-  array, so name the periods in ``static_args`` to keep a static period
-  of 1 free of its ``lax.cond``) and ``optax.MultiSteps``.
+  ``momentum``, ``weight_decay`` injectable; name the periods in
+  ``static_args`` to keep a period of 1 free of its ``lax.cond``) and
+  ``optax.MultiSteps``.
   Steps whose gradients, statistics, damping or learning rate are not
   finite are skipped, counted in ``state.num_skipped`` (:func:`skip_nonfinite`).
   """

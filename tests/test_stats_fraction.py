@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import kfac_jax_lite as kl
@@ -86,8 +87,20 @@ def test_bad_fraction_names_the_argument(bad):
   collection = kl.scan(helpers.classifier_loss, params, batch)
   with pytest.raises(ValueError, match="stats_fraction"):
     kl.FisherEstimator(collection, stats_fraction=bad)
-  with pytest.raises(ValueError, match="stats_fraction"):
-    kl.kfac(1e-2, collection, stats_fraction=bad)
+  if bad is not None:  # None is kfac's default: every example.
+    with pytest.raises(ValueError, match="stats_fraction"):
+      kl.kfac(1e-2, collection, stats_fraction=bad)
+
+
+def test_kfac_fraction_is_static_under_inject_hyperparams():
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  with pytest.raises(ValueError, match=r"stats_fraction=.*array.*static_args"):
+    optax.inject_hyperparams(kl.kfac)(
+        1e-2, collection, stats_fraction=0.5).init(params)
+  tx = optax.inject_hyperparams(kl.kfac, static_args=("stats_fraction",))(
+      1e-2, collection, stats_fraction=0.5)
+  assert tx.init(params).hyperparams["learning_rate"] == 1e-2
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, True])
