@@ -493,11 +493,10 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       :func:`scale_by_kfac`).
     curvature_axis: the mesh axis name(s) it is spread over.
     param_shardings: the FSDP parameters' shardings (:func:`scale_by_kfac`).
-    stats_fraction: ``f ∈ (0, 1]``: the statistics computed from
-      ``batch=`` use its first ``max(⌈f·B⌉, 64)`` examples (all ``B`` if
-      fewer; the example axis first), as ``kfac_adamw``'s; None (default):
-      all. ``stats=`` are the caller's (``value_grad_and_stats`` takes one
-      too). Static under ``optax.inject_hyperparams`` (``static_args``).
+    stats_fraction: ``f ∈ (0, 1]``: the statistics from ``batch=`` use its
+      first ``max(⌈f·B⌉, 64)`` examples (all if fewer; example axis first),
+      as ``kfac_adamw``'s; None (default): all. ``stats=`` are the caller's.
+      Static under ``optax.inject_hyperparams`` (``static_args``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` of descent updates (add
