@@ -1,4 +1,4 @@
-"""The rules that keep :func:`~kfac_jax_lite.kfac`'s steps bounded.
+"""The rules of :func:`~kfac_jax_lite.kfac`'s step: its bounds, its statistics.
 
 * KL clipping (Ba, Grosse & Martens 2017, sec. 5): the preconditioned
   gradient is scaled so that the step's KL under the quadratic model is at
@@ -10,6 +10,9 @@
   ``1/λ``: ``gᵀF̂⁻¹g`` then grows by orders of magnitude within a period
   and KL clipping shrinks the step to nothing. Fresh inverses keep
   ``gᵀF̂⁻¹g`` the size it has in the current curvature.
+* The statistics' share of ``batch=`` (``stats_fraction`` of ``kfac``,
+  ``kfac_adamw``, ``kfac_soap``): the transform computing the curvature
+  is given the first ``⌈f·B⌉`` examples only (:func:`statistics_from_head`).
 
 Why these defaults, with the measurements: docs/guides/tuning.md.
 """
