@@ -25,8 +25,10 @@ seconds of a row with those of Adam printed beside it, and repeat.
 
 ``--option name=value`` passes a keyword to ``kl.kfac`` (e.g.
 ``--option norm_constraint=none`` or ``--option damping=0.01``) to see
-what a default is worth; ``--stats-fraction f`` gives the Equinox
-autoencoder's ``kl.kfac`` a ``FisherEstimator(stats_fraction=f)``.
+what a default is worth; ``--stats-fraction f`` is ``--option
+stats_fraction=f``, for the Equinox autoencoder only (the other two steps
+give ``kl.kfac`` the statistics of ``value_grad_and_stats``, which take
+their own ``stats_fraction``).
 
   python benchmarks/kfac_defaults.py                    # all three models
   python benchmarks/kfac_defaults.py --models equinox_cnn --steps 100
@@ -179,8 +181,7 @@ def run_model(name, args, options):
   target = adam[best]["final"]
   fraction = getattr(args, "stats_fraction", None)  # Checked in parse_args.
   if fraction is not None:
-    options = {**options, "estimator": kl.FisherEstimator(
-        collection, stats_fraction=fraction)}
+    options = {**options, "stats_fraction": fraction}
   kfac = {}
   for lr in args.kfac_lrs:
     tx = kl.kfac(lr, collection, **options)
@@ -235,9 +236,9 @@ def parse_args(argv):
   p.add_argument("--option", type=parse_option, action="append",
                  default=[], help="name=value keyword for kl.kfac")
   p.add_argument("--stats-fraction", type=float, default=None,
-                 help="kl.kfac's estimator= a FisherEstimator with this "
-                 "stats_fraction (equinox_cnn only: the other steps take "
-                 "their statistics from value_grad_and_stats)")
+                 help="kl.kfac's stats_fraction (equinox_cnn only: the "
+                 "other steps take their statistics from "
+                 "value_grad_and_stats)")
   args = p.parse_args(argv)
   args.models = args.models.split(",")
   if args.stats_fraction is not None and args.models != ["equinox_cnn"]:

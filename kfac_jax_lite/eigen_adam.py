@@ -65,7 +65,7 @@ from kfac_jax_lite.curvature import CurvatureState
 from kfac_jax_lite.curvature import ScalarOrSchedule
 from kfac_jax_lite.curvature import check_period
 from kfac_jax_lite.curvature import update_curvature
-from kfac_jax_lite.grafting import statistics_from_head
+from kfac_jax_lite.step_rules import statistics_from_head
 from kfac_jax_lite.transform import check_hyperparameter
 from kfac_jax_lite.transform import check_state
 from kfac_jax_lite.transform import skip_nonfinite

@@ -33,6 +33,7 @@ from kfac_jax_lite import linearization
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.curvature import ScalarOrSchedule
 from kfac_jax_lite.curvature import check_nonnegative
+from kfac_jax_lite.step_rules import statistics_from_head
 from kfac_jax_lite.transform import make_estimator
 from kfac_jax_lite.transform import scale_by_kfac
 from kfac_jax_lite.transform import skip_nonfinite
@@ -110,31 +111,6 @@ def graft(direction: optax.GradientTransformation,
     return jax.tree.map(_graft_leaf, d, m), GraftState(d_state, m_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def first_examples_of(batch, fraction: float):
-  """The first ``⌈f·B⌉`` examples of every leaf of ``batch`` whose leading
-  axis has ``B`` entries, ``B`` that of the first leaf with an axis."""
-  sized = [x for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)]
-  if fraction >= 1.0 or not sized:
-    return batch
-  total = sized[0].shape[0]
-  return linearization.batch_head(batch, total,
-                                  linearization.stats_rows(total, fraction))
-
-
-def statistics_from_head(inner: optax.GradientTransformation,
-                         fraction: float
-                         ) -> optax.GradientTransformationExtraArgs:
-  """``inner`` given only the first ``⌈f·B⌉`` examples of ``batch=``."""
-  inner = optax.with_extra_args_support(inner)
-
-  def update_fn(updates, state, params=None, *, batch=None, **extra_args):
-    if batch is not None:
-      batch = first_examples_of(batch, fraction)
-    return inner.update(updates, state, params, batch=batch, **extra_args)
-
-  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def kfac_adamw(learning_rate: ScalarOrSchedule,

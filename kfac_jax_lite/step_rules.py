@@ -1,4 +1,4 @@
-"""The rules that keep :func:`~kfac_jax_lite.kfac`'s steps bounded.
+"""The rules of :func:`~kfac_jax_lite.kfac`'s step: its bounds, its statistics.
 
 * KL clipping (Ba, Grosse & Martens 2017, sec. 5): the preconditioned
   gradient is scaled so that the step's KL under the quadratic model is at
@@ -10,6 +10,9 @@
   ``1/λ``: ``gᵀF̂⁻¹g`` then grows by orders of magnitude within a period
   and KL clipping shrinks the step to nothing. Fresh inverses keep
   ``gᵀF̂⁻¹g`` the size it has in the current curvature.
+* The statistics' share of ``batch=`` (``stats_fraction`` of ``kfac``,
+  ``kfac_adamw``, ``kfac_soap``): the transform computing the curvature
+  is given the first ``⌈f·B⌉`` examples only (:func:`statistics_from_head`).
 
 Why these defaults, with the measurements: docs/guides/tuning.md.
 """
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
+from kfac_jax_lite import linearization
 from kfac_jax_lite import trees
 
 # ``kfac``'s default KL-clipping bound ``C`` (``norm_constraint``): the
@@ -29,6 +34,10 @@ DEFAULT_NORM_CONSTRAINT = 1e-3
 # ``kfac``'s default refresh warm-up (``inverse_update_warmup``): the
 # damped inverses are refreshed at each of the first 20 steps.
 DEFAULT_INVERSE_UPDATE_WARMUP = 20
+
+# The fewest examples ``kfac``'s ``stats_fraction`` keeps of ``batch=``
+# (``FisherEstimator``'s ``stats_min_examples`` default).
+STATS_MIN_EXAMPLES = 64
 
 
 def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
@@ -69,3 +78,48 @@ def refresh_due(count, period, warmup):
   (``w = warmup``, ``p = period``; ``w = 0`` is the plain period).
   """
   return ((count % period) == 0) | (count < warmup)
+
+
+def first_examples_of(batch, fraction: float, minimum: int = 1):
+  """The first ``min(B, max(⌈f·B⌉, minimum))`` examples of every leaf of
+  ``batch`` whose leading axis has ``B`` entries, ``B`` that of the first
+  leaf with an axis."""
+  sized = [x for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)]
+  if fraction >= 1.0 or not sized:
+    return batch
+  total = sized[0].shape[0]
+  return linearization.batch_head(
+      batch, total, linearization.stats_rows(total, fraction, minimum))
+
+
+def statistics_from_head(inner: optax.GradientTransformation,
+                         fraction: float, minimum: int = 1
+                         ) -> optax.GradientTransformationExtraArgs:
+  """``inner`` given only the first examples of ``batch=``
+  (:func:`first_examples_of`); ``stats=`` passes unchanged."""
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, *, batch=None, **extra_args):
+    if batch is not None:
+      batch = first_examples_of(batch, fraction, minimum)
+    return inner.update(updates, state, params, batch=batch, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def kfac_statistics_share(inner, fraction):
+  """:func:`kfac`'s ``stats_fraction``: ``inner`` given the first
+  ``max(⌈f·B⌉, 64)`` examples of ``batch=`` (all ``B`` if fewer); None
+  keeps every example (and stays out of ``optax.inject_hyperparams``)."""
+  if isinstance(fraction, jax.Array):
+    raise ValueError(
+        f"stats_fraction={fraction!r} is an array (optax.inject_hyperparams"
+        " makes every number one): it sets the statistics' batch shape, so "
+        "name it static, inject_hyperparams(kfac, static_args="
+        "('stats_fraction',)).")
+  if fraction is None:
+    return inner
+  linearization.check_fraction(fraction)
+  if fraction >= 1.0:
+    return inner
+  return statistics_from_head(inner, fraction, STATS_MIN_EXAMPLES)

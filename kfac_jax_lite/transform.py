@@ -428,6 +428,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
          mesh: Any = None, curvature_axis: Any = None,
          inverse_update_warmup: int = DEFAULT_INVERSE_UPDATE_WARMUP,
          param_shardings: Any = None,
+         stats_fraction: Optional[float] = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: descent updates like adam.
 
@@ -435,9 +436,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     v \\leftarrow \\mu v + \\nu\\hat F^{-1} g + \\eta\\,\\theta,\\qquad
     \\Delta\\theta = -\\alpha\\, v
 
-  (decoupled weight decay ``η`` after preconditioning, as TF K-FAC's
-  ``use_weight_decay``). ``ν`` is the KL-clipping coefficient (Ba, Grosse &
-  Martens 2017, sec. 5; TF K-FAC's ``norm_constraint``), on by default:
+  (weight decay ``η`` after preconditioning: TF K-FAC's ``use_weight_decay``).
+  ``ν``, KL clipping (Ba, Grosse & Martens 2017, sec. 5), is on by default:
 
   .. math:: \\nu = \\min\\left(1, \\sqrt{C / (\\alpha^2\\, g^T \\hat F^{-1}
     g)}\\right),\\qquad C = 10^{-3}
@@ -445,19 +445,14 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   so that the step's predicted KL, :math:`\\alpha^2 \\nu^2 g^T\\hat F^{-1}
   g`, is at most ``C`` (``norm_constraint=None`` turns it off). The damped
   inverses are refreshed at each of the first ``inverse_update_warmup``
-  (20) steps, then every ``inverse_update_period`` (5): early in training
-  the factors change fastest, a stale inverse sends the gradient into
-  directions it scales by up to ``1/λ``, ``gᵀF̂⁻¹g`` grows by orders of
-  magnitude within a period and the clipping then shrinks the step to
-  almost nothing (without clipping, a learning rate of ``1e-2`` diverges).
-  With both, no rate of 1e-3, 1e-2, 1e-1 diverged on the examples' three
-  models, and the best reached the best Adam's 400-step loss in fewer
-  steps on the MNIST autoencoder and the flax CNN (docs/guides/tuning.md
-  has the models, numbers and where a step goes); within Adam's seconds
-  only on the MNIST autoencoder, where fewer steps repay the step's
-  statistics pass, outer products, preconditioning and refreshes.
-  ``stats_fraction`` (on ``estimator=`` and on
-  :func:`~kfac_jax_lite.value_grad_and_stats`) makes the step cheaper;
+  (20) steps, then every ``inverse_update_period`` (5): a stale inverse
+  early on, when the factors change fastest, inflates ``gᵀF̂⁻¹g`` by
+  orders of magnitude and the clipping would shrink the step to nothing.
+  On the examples' three models no rate of 1e-3, 1e-2, 1e-1 diverges; the
+  best reaches the best Adam's 400-step loss in fewer steps on the MNIST
+  autoencoder and the flax CNN, within Adam's seconds on the MNIST one
+  only (docs/guides/tuning.md: the numbers, where a step goes, and what
+  ``stats_fraction`` and ``damping`` change on the Equinox autoencoder).
   :func:`kfac_optimizer` adapts the damping, learning rate and momentum. It is
 
   ```python
@@ -468,9 +463,9 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       optax.scale_by_learning_rate(learning_rate)))
   ```
 
-  (the same updates and state, ``inverse_update_warmup`` passed on too);
-  build that chain for the options of :func:`scale_by_kfac` not listed
-  here (``power``, ``stagger_inverse_updates``).
+  (the same updates and state; ``inverse_update_warmup`` passed on, and
+  ``batch=`` cut to its head when ``stats_fraction < 1``). Build it for
+  :func:`scale_by_kfac`'s other options (``power``, ``stagger_...``).
 
   Args:
     learning_rate: α, a float or schedule.
@@ -480,8 +475,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     damping: λ, a float or schedule (see :func:`scale_by_kfac`).
     cov_ema_decay: EMA decay of the factors (see :func:`scale_by_kfac`).
     cov_update_period: update the statistics every this many steps.
-    inverse_update_period: refresh the damped inverses every this many
-      steps.
+    inverse_update_period: refresh the damped inverses every this many steps.
     inverse_update_warmup: and at each of the first this many steps
       (default 20; 0 for the plain period).
     estimation_mode: how the statistics sample the Fisher (see
@@ -499,6 +493,10 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       :func:`scale_by_kfac`).
     curvature_axis: the mesh axis name(s) it is spread over.
     param_shardings: the FSDP parameters' shardings (:func:`scale_by_kfac`).
+    stats_fraction: ``f ∈ (0, 1]``: the statistics from ``batch=`` use its
+      first ``max(⌈f·B⌉, 64)`` examples (all if fewer; example axis first),
+      as ``kfac_adamw``'s; None (default): all. ``stats=`` are the caller's.
+      Static under ``optax.inject_hyperparams`` (``static_args``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` of descent updates (add
@@ -509,7 +507,8 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   Raises:
     ValueError: for a negative ``momentum``, ``weight_decay`` or
       ``norm_constraint``, an ``inverse_update_warmup`` that is not a
-      non-negative int, and as :func:`scale_by_kfac`.
+      non-negative int, a ``stats_fraction`` outside ``(0, 1]``, and as
+      :func:`scale_by_kfac`.
     TypeError: for a ``norm_constraint`` that is not a number, a scalar
       array or a schedule.
 
@@ -522,16 +521,15 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
     >>> params = optax.apply_updates(params, updates)
 
   Works under ``optax.inject_hyperparams`` (``learning_rate``, ``damping``,
-  ``momentum``, ``weight_decay`` injectable; it makes every number an
-  array, so name the periods in ``static_args`` to keep a static period
-  of 1 free of its ``lax.cond``) and ``optax.MultiSteps``.
+  ``momentum``, ``weight_decay`` injectable; name the periods in
+  ``static_args`` to keep a period of 1 free of its ``lax.cond``) and
+  ``optax.MultiSteps``.
   Steps whose gradients, statistics, damping or learning rate are not
-  finite are skipped and counted (:func:`skip_nonfinite`):
-  ``state.num_skipped``, ``state.last_finite``.
+  finite are skipped, counted in ``state.num_skipped`` (:func:`skip_nonfinite`).
   """
   check_hyperparameter("momentum", momentum)
   check_hyperparameter("weight_decay", weight_decay)
-  parts: list[optax.GradientTransformation] = [scale_by_kfac(
+  first = scale_by_kfac(
       collection, damping=damping, cov_ema_decay=cov_ema_decay,
       cov_update_period=cov_update_period,
       inverse_update_period=inverse_update_period,
@@ -541,7 +539,9 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
       seed=seed, estimator=estimator, mesh=mesh,
       curvature_axis=curvature_axis,
       inverse_update_warmup=inverse_update_warmup,
-      param_shardings=param_shardings)]
+      param_shardings=param_shardings)
+  parts: list[optax.GradientTransformation] = [
+      step_rules.kfac_statistics_share(first, stats_fraction)]
   if not isinstance(weight_decay, (int, float)) or weight_decay:
     parts.append(optax.add_decayed_weights(weight_decay))
   if not isinstance(momentum, (int, float)) or momentum:

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import kfac_jax_lite as kl
@@ -86,6 +87,20 @@ def test_bad_fraction_names_the_argument(bad):
   collection = kl.scan(helpers.classifier_loss, params, batch)
   with pytest.raises(ValueError, match="stats_fraction"):
     kl.FisherEstimator(collection, stats_fraction=bad)
+  if bad is not None:  # None is kfac's default: every example.
+    with pytest.raises(ValueError, match="stats_fraction"):
+      kl.kfac(1e-2, collection, stats_fraction=bad)
+
+
+def test_kfac_fraction_is_static_under_inject_hyperparams():
+  params, batch = _problem()
+  collection = kl.scan(helpers.classifier_loss, params, batch)
+  with pytest.raises(ValueError, match=r"stats_fraction=.*array.*static_args"):
+    optax.inject_hyperparams(kl.kfac)(
+        1e-2, collection, stats_fraction=0.5).init(params)
+  tx = optax.inject_hyperparams(kl.kfac, static_args=("stats_fraction",))(
+      1e-2, collection, stats_fraction=0.5)
+  assert tx.init(params).hyperparams["learning_rate"] == 1e-2
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, True])
@@ -292,11 +307,13 @@ def test_kfac_optimizer_uses_a_quarter_of_large_batches_by_default():
   for g, w, e in zip(got, want.blocks, every.blocks):
     np.testing.assert_allclose(g.a, w["a"], rtol=1e-5, atol=1e-6)
     assert not np.allclose(g.a, e["a"], rtol=1e-3, atol=1e-5)
-  # kfac keeps every example unless asked (its stats= may come from the
-  # caller's value_grad_and_stats, whose default is the whole batch too).
-  tx = kl.kfac(1e-2, collection, estimation_mode="exact")
-  _, state = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))(
-      params, tx.init(params), params, batch)
-  curv = state.inner[0]
-  for g, e in zip(curv.estimator.blocks, every.blocks):
-    np.testing.assert_allclose(g.a, e["a"], rtol=1e-5, atol=1e-6)
+  # kfac keeps every example by default (its stats= may come from the
+  # caller's value_grad_and_stats, whose default is the whole batch too);
+  # stats_fraction=0.125 keeps its floor of 64 examples (not 32): the
+  # head kfac_optimizer's default takes.
+  for kw, ref in (({}, every), ({"stats_fraction": 0.125}, want)):
+    tx = kl.kfac(1e-2, collection, estimation_mode="exact", **kw)
+    _, state = jax.jit(lambda g, s, p, b, tx=tx: tx.update(
+        g, s, p, batch=b))(params, tx.init(params), params, batch)
+    for g, r in zip(state.inner[0].estimator.blocks, ref.blocks):
+      np.testing.assert_allclose(g.a, r["a"], rtol=1e-5, atol=1e-6)

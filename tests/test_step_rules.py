@@ -170,6 +170,7 @@ def test_kfac_defaults_are_the_step_rules():
   assert params["inverse_update_warmup"].default == 20
   assert step_rules.DEFAULT_INVERSE_UPDATE_WARMUP == 20
   assert params["norm_constraint"].default == 1e-3
+  assert params["stats_fraction"].default is None  # Every example.
   params = inspect.signature(kl.scale_by_kfac).parameters
   assert params["inverse_update_warmup"].default == 0
 
