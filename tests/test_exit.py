@@ -129,9 +129,9 @@ def _cached_steps(cache_dir):
   return [name for name in os.listdir(cache_dir) if name.startswith("jit_")]
 
 
-# One device: the plain end, an exception and Ctrl-C in the default tier;
-# the other ways out (their points also checked on eight devices) are slow.
-ONE_DEVICE_DEFAULT = ("end", "raise", "signal")
+# One device: the plain end and an exception in the default tier; the other
+# ways out (each also checked on eight devices) are slow.
+ONE_DEVICE_DEFAULT = ("end", "raise")
 
 
 @pytest.mark.parametrize("case", [
