@@ -18,7 +18,6 @@ import pytest
 import kfac_jax_lite as kl
 from kfac_jax_lite.blocks import conv
 from tests import blocks_helpers as h
-from kfac_jax_lite.layer import Layer
 
 B = 3
 
