@@ -5,7 +5,8 @@ The patch sums against the materialised patches of
 formula; and, for a conv layer whose outputs are summed over locations
 before a squared error (the reduce setting of Eschenhagen et al. 2023),
 ``A ⊗ G`` against the explicit GGN block ``Jᵀ H J`` and the preconditioned
-gradient against a dense solve (x64).
+gradient against a dense solve; with a squared error at every location
+(the expand setting) KFC is the exact one instead (x64).
 """
 
 import jax
@@ -51,7 +52,10 @@ def _problem(name, seed=0):
   params = {"w": jax.random.normal(kw_, w_shape) / 2,
             "b": 0.3 * jax.random.normal(kb, (out_ch,))}
   x = jax.random.normal(kx, x_shape)
-  batch = {"x": x, "y": jax.random.normal(ky, (B, out_ch))}
+  size = jax.eval_shape(lambda: _conv(params, x, kw)).size // B
+  ky, ka = jax.random.split(ky)
+  batch = {"x": x, "y": jax.random.normal(ky, (B, out_ch)),
+           "y_all": jax.random.normal(ka, (B, size))}
   return params, batch, kw
 
 
@@ -60,17 +64,6 @@ def _conv(params, x, kw):
   feature = kw["dimension_numbers"][2].index("C")
   return y + params["b"].reshape([-1 if a == feature else 1
                                   for a in range(y.ndim)])
-
-
-def _reduce_loss(kw):
-  """Outputs summed over locations, then a squared error: reduce setting."""
-  def loss_fn(params, batch):
-    y = _conv(params, batch["x"], kw)
-    feature = kw["dimension_numbers"][2].index("C")
-    z = jnp.sum(y, axis=tuple(a for a in range(1, y.ndim) if a != feature))
-    kl.register_squared_error_loss(z, batch["y"])
-    return jnp.mean(jnp.sum((z - batch["y"]) ** 2, axis=-1))
-  return loss_fn
 
 
 def _materialised_patches(x, w_shape, kw):
@@ -111,24 +104,29 @@ def test_patch_sums_are_the_materialised_patches_summed(name):
                              atol=1e-12)
 
 
-def _reduce_z(params, batch, kw):
+def _outputs(setting, params, batch, kw):
+  """``[B, d]``: summed over locations (reduce) or every location's own
+  output (expand), with the target of the setting."""
   y = _conv(params, batch["x"], kw)
+  if setting == "expand":
+    return y.reshape(B, -1), batch["y_all"]
   feature = kw["dimension_numbers"][2].index("C")
-  return jnp.sum(y, axis=tuple(a for a in range(1, y.ndim) if a != feature))
+  return jnp.sum(y, axis=tuple(a for a in range(1, y.ndim)
+                               if a != feature)), batch["y"]
 
 
-def _reduce_loss(kw):
-  """Outputs summed over locations, then a squared error: reduce setting."""
+def _loss(setting, kw):
+  """A squared error of :func:`_outputs`."""
   def loss_fn(params, batch):
-    z = _reduce_z(params, batch, kw)
-    kl.register_squared_error_loss(z, batch["y"])
-    return jnp.mean(jnp.sum((z - batch["y"]) ** 2, axis=-1))
+    z, y = _outputs(setting, params, batch, kw)
+    kl.register_squared_error_loss(z, y)
+    return jnp.mean(jnp.sum((z - y) ** 2, axis=-1))
   return loss_fn
 
 
-def _estimator(name, approx, **kwargs):
+def _estimator(name, approx, setting="reduce", **kwargs):
   params, batch, kw = _problem(name)
-  collection = kl.scan(_reduce_loss(kw), params, batch,
+  collection = kl.scan(_loss(setting, kw), params, batch,
                        approximations={"conv": approx})
   assert [l.approx for l in collection.layers] == [approx]
   est = kl.FisherEstimator(collection, estimation_mode="exact_GGN", **kwargs)
@@ -137,13 +135,15 @@ def _estimator(name, approx, **kwargs):
   return est, state, params, batch, kw
 
 
-def _explicit_ggn(params, batch, kw):
+def _explicit_ggn(setting, params, batch, kw):
   """``Jᵀ H J`` of the mean loss, in ravel order of ``params``."""
   flat, unravel = jax.flatten_util.ravel_pytree(params)
-  z_of = lambda p: _reduce_z(unravel(p), batch, kw).reshape(-1)  # noqa
-  jac = jax.jacobian(z_of)(flat)
-  hess = jax.hessian(lambda z: jnp.mean(jnp.sum(
-      (z.reshape(B, -1) - batch["y"]) ** 2, axis=-1)))(z_of(flat))
+  z_of = lambda p: _outputs(setting, unravel(p), batch, kw)[0]  # noqa
+  z = z_of(flat)
+  target = _outputs(setting, params, batch, kw)[1]
+  jac = jax.jacobian(lambda p: z_of(p).reshape(-1))(flat)
+  hess = jax.hessian(lambda zz: jnp.mean(jnp.sum(
+      (zz.reshape(z.shape) - target) ** 2, axis=-1)))(z.reshape(-1))
   return np.asarray(jac.T @ hess @ jac)
 
 
@@ -171,11 +171,25 @@ def _blocks(state):
     for n in sorted(GEOMETRIES)])
 def test_exact_in_the_reduce_setting_and_kron_is_not(name):
   est, state, params, batch, kw = _estimator(name, "kron_reduce")
-  want = _explicit_ggn(params, batch, kw)
+  want = _explicit_ggn("reduce", params, batch, kw)
   np.testing.assert_allclose(np.asarray(est.full_fisher(state)), want,
                              rtol=1e-9, atol=1e-10)
   est_k, state_k, *_ = _estimator(name, "kron")
   other = np.asarray(est_k.full_fisher(state_k))
+  assert np.abs(other - want).max() > 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["same_strided", "strided_1d"])
+def test_kron_is_exact_in_the_expand_setting_and_reduce_is_not(name):
+  """Every location its own squared error: KFC is the GGN block, and
+  KFC-reduce is not."""
+  est, state, params, batch, kw = _estimator(name, "kron", "expand")
+  want = _explicit_ggn("expand", params, batch, kw)
+  np.testing.assert_allclose(np.asarray(est.full_fisher(state)), want,
+                             rtol=1e-9, atol=1e-10)
+  est_r, state_r, *_ = _estimator(name, "kron_reduce", "expand")
+  other = np.asarray(est_r.full_fisher(state_r))
   assert np.abs(other - want).max() > 1e-2 * np.abs(want).max()
 
 
@@ -185,9 +199,9 @@ def test_preconditioned_gradient_is_a_dense_solve():
   est, state, params, batch, kw = _estimator(
       "same_strided", "kron_reduce", damping_type="exact")
   state = est.update_cache(state, damping)
-  grads = jax.grad(_reduce_loss(kw))(params, batch)
+  grads = jax.grad(_loss("reduce", kw))(params, batch)
   flat, _ = jax.flatten_util.ravel_pytree(grads)
-  f = _explicit_ggn(params, batch, kw)
+  f = _explicit_ggn("reduce", params, batch, kw)
   want = np.linalg.solve(f + damping * np.eye(f.shape[0]), np.asarray(flat))
   got, _ = jax.flatten_util.ravel_pytree(est.multiply_inverse(state, grads))
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-8, atol=1e-10)
