@@ -23,7 +23,9 @@ first step's). Every run of a model happens in this one process, one after
 the other, so load from other processes shifts their seconds: compare the
 seconds of a row with those of Adam printed beside it, and repeat.
 
-``--option name=value`` passes a keyword to ``kl.kfac`` (e.g.
+``--approx kind=name`` passes ``approximations={kind: name}`` to
+``kl.scan`` (e.g. ``--approx conv=kron_reduce``, KFC-reduce for every
+convolution). ``--option name=value`` passes a keyword to ``kl.kfac`` (e.g.
 ``--option norm_constraint=none`` or ``--option damping=0.01``) to see
 what a default is worth; ``--stats-fraction f`` is ``--option
 stats_fraction=f``, for the Equinox autoencoder only (the other two steps
@@ -67,7 +69,7 @@ def load_example(name):
   return module
 
 
-def equinox_cnn(batch_size, steps, seed):
+def equinox_cnn(batch_size, steps, seed, approximations=None):
   """The Equinox autoencoder: its model, data, batches and step."""
   import equinox as eqx  # pylint: disable=import-outside-toplevel
   ex = load_example("equinox_cnn")
@@ -76,7 +78,8 @@ def equinox_cnn(batch_size, steps, seed):
   params, static = eqx.partition(model, eqx.is_inexact_array)
   stream = ex.batches(data, batch_size, seed)
   batches = [next(stream) for _ in range(steps)]
-  collection = kl.scan(ex.make_loss_fn(static), params, batches[0])
+  collection = kl.scan(ex.make_loss_fn(static), params, batches[0],
+                       approximations=approximations)
 
   def make_step(tx, kfac):
     del kfac  # The example's step gives K-FAC the batch, Adam ignores it.
@@ -87,14 +90,15 @@ def equinox_cnn(batch_size, steps, seed):
       make_step, batches)
 
 
-def mnist_autoencoder(batch_size, steps, seed):
+def mnist_autoencoder(batch_size, steps, seed, approximations=None):
   """The README's deep autoencoder; K-FAC's statistics from the pass
   that gives the gradient (``value_grad_and_stats``)."""
   ae = load_example("mnist_autoencoder")
   images = ae.load_images(ae.DEFAULT_DATA)
   params = ae.init_params(jax.random.PRNGKey(seed), ae.layer_sizes(1.0))
   batches = list(ae.batch_stream(images, steps, batch_size, seed))
-  collection = kl.scan(ae.loss_fn, params, batches[0])
+  collection = kl.scan(ae.loss_fn, params, batches[0],
+                       approximations=approximations)
   vgs = kl.value_grad_and_stats(ae.loss_fn, collection)
 
   def make_step(tx, kfac):
@@ -111,7 +115,7 @@ def mnist_autoencoder(batch_size, steps, seed):
   return params, lambda p: p, collection, (make_step, batches)
 
 
-def flax_cnn(batch_size, steps, seed):
+def flax_cnn(batch_size, steps, seed, approximations=None):
   """The flax CNN classifier: its model, data, batches and step."""
   cnn = load_example("flax_cnn_classifier")
   data = cnn.load_mnist(cnn.DEFAULT_DATA)
@@ -120,7 +124,8 @@ def flax_cnn(batch_size, steps, seed):
   batches = list(cnn.batches(data, steps, batch_size, seed))
   params = model.init(jax.random.PRNGKey(seed),
                       batches[0]["image"])["params"]
-  collection = kl.scan(loss_fn, params, batches[0])
+  collection = kl.scan(loss_fn, params, batches[0],
+                       approximations=approximations)
 
   def make_step(tx, kfac):
     return cnn.make_step(loss_fn, tx, collection if kfac else None)
@@ -169,7 +174,7 @@ def run_model(name, args, options):
   """Adam over its grid, then ``kl.kfac`` over its grid; the rows."""
   bs = args.batch_size or BATCH_SIZES[name]
   model, to_params, collection, (make_step, batches) = globals()[name](
-      bs, args.steps, args.seed)
+      bs, args.steps, args.seed, args.approx or None)
   adam = {}
   for lr in args.adam_lrs:
     tx = optax.adam(lr)
@@ -219,6 +224,15 @@ def parse_option(text):
   return name, ast.literal_eval(value)
 
 
+def parse_approx(text):
+  kind, _, approx = text.partition("=")
+  if not kind or not approx:
+    raise argparse.ArgumentTypeError(
+        f"--approx {text!r}: expected kind=approximation, e.g. "
+        "conv=kron_reduce")
+  return kind, approx
+
+
 def parse_args(argv):
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
@@ -235,12 +249,16 @@ def parse_args(argv):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--option", type=parse_option, action="append",
                  default=[], help="name=value keyword for kl.kfac")
+  p.add_argument("--approx", type=parse_approx, action="append",
+                 default=[], help="kind=approximation for kl.scan's "
+                 "approximations (e.g. conv=kron_reduce)")
   p.add_argument("--stats-fraction", type=float, default=None,
                  help="kl.kfac's stats_fraction (equinox_cnn only: the "
                  "other steps take their statistics from "
                  "value_grad_and_stats)")
   args = p.parse_args(argv)
   args.models = args.models.split(",")
+  args.approx = dict(args.approx)
   if args.stats_fraction is not None and args.models != ["equinox_cnn"]:
     p.error(f"--stats-fraction {args.stats_fraction}: only with --models "
             "equinox_cnn, whose step gives kl.kfac the batch")
@@ -254,7 +272,8 @@ def main(argv=None):
   args = parse_args(argv)
   options = dict(args.option)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, "
-        f"{os.cpu_count()} CPUs; kl.kfac options: {options or 'defaults'}",
+        f"{os.cpu_count()} CPUs; kl.kfac options: {options or 'defaults'}"
+        f"; approximations: {args.approx or 'defaults'}",
         flush=True)
   results = {}
   for name in args.models:

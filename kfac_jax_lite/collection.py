@@ -29,7 +29,7 @@ Derived from the registry in :mod:`kfac_jax_lite.kinds`.
 
 Example:
   >>> kl.APPROXIMATIONS["conv"]
-  ('kron', 'diagonal', 'kron_sua', 'ekfac')
+  ('kron', 'diagonal', 'kron_sua', 'ekfac', 'kron_reduce')
   >>> "kron_series_1" in kl.APPROXIMATIONS["fully_connected_multi"]
   True
 """

@@ -21,7 +21,7 @@ a parameter-path prefix to a factory per call, with no global state.
 
 Example:
   >>> kinds.KINDS["conv"].approximations
-  ('kron', 'diagonal', 'kron_sua', 'ekfac')
+  ('kron', 'diagonal', 'kron_sua', 'ekfac', 'kron_reduce')
   >>> kinds.approximations("fully_connected", num_uses=3)[0]
   'kron_indep'
 """
@@ -114,9 +114,10 @@ _ROWS = (
         use_count="positions", bias_index=1),
     LayerKind(
         "conv",
-        ("kron", "diagonal", "kron_sua", "ekfac"),
-        ("kron_indep", "diagonal", "ekfac"),
+        ("kron", "diagonal", "kron_sua", "ekfac", "kron_reduce"),
+        ("kron_indep", "diagonal", "ekfac", "kron_reduce"),
         (("kron", "conv.conv_kron_block"),
+         ("kron_reduce", "conv.conv_reduce_block"),
          ("ekfac", "ekfac.conv_ekfac_block"),
          ("kron_indep", "conv.conv_kron_block"),
          ("kron_sua", "sua.conv_sua_block"),

@@ -218,8 +218,9 @@ def register_conv(y, x, w, b=None, *, window_strides, padding,
       such as ``("NHWC", "HWIO", "NHWC")``, or None for lax's default.
     feature_group_count: as for ``lax.conv_general_dilated``; a grouped
       convolution with ``1 < feature_group_count < C`` is refused.
-    approx: ``kron`` (default), ``diagonal``, ``kron_sua`` or ``ekfac``
-      (``APPROXIMATIONS["conv"]``). None: the collection's default.
+    approx: ``kron`` (default), ``diagonal``, ``kron_sua``, ``ekfac`` or
+      ``kron_reduce`` (``APPROXIMATIONS["conv"]``). None: the collection's
+      default.
 
   Returns:
     ``y``, unchanged in value and gradient.

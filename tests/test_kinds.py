@@ -39,7 +39,7 @@ def test_derived_tables():
   assert "tied_embedding" in tags.LAYER_KINDS
   assert kl.APPROXIMATIONS is kinds.APPROXIMATIONS
   assert collection.APPROXIMATIONS["conv_multi"] == ("kron_indep", "diagonal",
-                                                     "ekfac")
+                                                     "ekfac", "kron_reduce")
   for name, row in kinds.KINDS.items():
     assert kl.APPROXIMATIONS[name] == row.approximations
     assert kl.APPROXIMATIONS[f"{name}_multi"] == row.multi_approximations

@@ -13,7 +13,7 @@ def loss_fn(params, batch):
   y = lax.conv_general_dilated(x, w, (2, 2), "SAME",
                                dimension_numbers=DN) + b
   y = kl.register_conv2d(y, x, w, b, strides=2, padding="SAME",
-                         approx="kron")          # or "diagonal", "kron_sua"
+                         approx="kron")  # or "diagonal", "kron_reduce", ...
   h = jnp.tanh(y).reshape(x.shape[0], -1)        # [B, 4 * 4 * 8]
   logits = h @ params["head"]                    # found automatically
   kl.register_categorical_predictive_distribution(logits, labels)

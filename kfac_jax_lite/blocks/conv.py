@@ -1,4 +1,5 @@
-"""Convolution blocks: KFC (``kron``, ``kron_indep``), ``diagonal``, SUA.
+"""Convolution blocks: KFC (``kron``, ``kron_indep``, ``kron_reduce``),
+``diagonal``, SUA.
 
 KFC (Grosse & Martens 2016, eq. 23) approximates the Fisher block of a
 convolution, with :math:`p_{b,t}` the input patch at output location ``t``
@@ -21,6 +22,11 @@ that costs :math:`B|\\mathcal T|(K c_{in})^2` multiply-adds, as much as
 
 ``diagonal`` is the exact diagonal of the per-example Fisher, from
 :math:`\\nabla_{s,b} W = \\sum_t p_{b,t} g_{s,b,t}^T` (TF ``ConvDiagonalFB``).
+
+``kron_reduce`` (KFC-reduce, K-FAC-reduce of Eschenhagen et al. 2023)
+sums the patches and the output gradients over locations before the outer
+products (:class:`ConvReduceLayout`): ``B`` rows instead of ``B|T|``, and
+the patch sums come from the input without forming the patches.
 
 ``kron_sua`` (spatially uncorrelated activations) is in :mod:`.sua`.
 """
@@ -143,18 +149,14 @@ class ConvGeometry:
     p = p.reshape(x.shape[0], -1, self.c_in, self.window)
     return jnp.swapaxes(p, -1, -2).reshape(x.shape[0], -1, self.patch_size)
 
-  def sliced_patches(self, x):
-    """:meth:`patches` as strided slices of the padded, dilated input.
-
-    The input (canonical ``[N, *s, c_in]``) is dilated and padded as
-    ``conv_general_dilated`` does (``lax.pad``'s interior padding, string
-    padding from the undilated shape), then window offset ``k`` is the
-    slice from ``k·rhs_dilation`` with step ``window_strides``.
-    """
+  def _padded(self, x):
+    """Canonical ``x`` dilated and padded as ``conv_general_dilated`` does
+    (``lax.pad``'s interior padding, string padding from the undilated
+    shape), with the kernel's dilation and the output's spatial shape."""
     n = len(self.spatial_shape)
     x = self._canonical(x, self.dimension_numbers.lhs_spec)
     lhs_dil = self.lhs_dilation or (1,) * n
-    rhs_dil = self.rhs_dilation or (1,) * n
+    rhs_dil = tuple(self.rhs_dilation or (1,) * n)
     eff = [(k - 1) * d + 1 for k, d in zip(self.spatial_shape, rhs_dil)]
     pads = self.padding
     if isinstance(pads, str):
@@ -162,8 +164,18 @@ class ConvGeometry:
                                  pads)
     x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] + [
         (lo, hi, d - 1) for (lo, hi), d in zip(pads, lhs_dil)] + [(0, 0, 0)])
+    out = tuple((s - e) // t + 1 for s, e, t
+                in zip(x.shape[1:-1], eff, self.window_strides))
+    return x, rhs_dil, out
+
+  def sliced_patches(self, x):
+    """:meth:`patches` as strided slices of the padded, dilated input.
+
+    Window offset ``k`` is the slice of the padded input (:meth:`_padded`)
+    from ``k·rhs_dilation`` with step ``window_strides``.
+    """
+    x, rhs_dil, out = self._padded(x)
     steps = tuple(self.window_strides)
-    out = [(s - e) // t + 1 for s, e, t in zip(x.shape[1:-1], eff, steps)]
     cols = []
     for offset in itertools.product(*map(range, self.spatial_shape)):
       start = [o * d for o, d in zip(offset, rhs_dil)]
@@ -173,6 +185,35 @@ class ConvGeometry:
                             (1, *steps, 1)))
     p = jnp.stack(cols, axis=-2)                    # [N, *out, K, c_in]
     return p.reshape(x.shape[0], -1, self.patch_size)
+
+  def patch_sums(self, x):
+    """``Σ_t p_{n,t}``: the patches summed over output locations, unformed.
+
+    .. math::
+      \\Big(\\sum_t p_{n,t}\\Big)_{k,c} = \\sum_{t} \\tilde x_{n,\\,
+      k \\cdot d + t \\cdot s,\\, c}
+
+    for the padded, dilated input :math:`\\tilde x` (:meth:`_padded`),
+    kernel dilation ``d`` and stride ``s``: for each kernel offset ``k``
+    the sum of a strided window of :math:`\\tilde x` as large as the
+    output. One ``lax.reduce_window`` (window = the output's shape,
+    window dilation = the stride, window stride = the kernel dilation)
+    gives every offset at once: :math:`N |\\mathcal T| K c_{in}` adds and
+    an ``[N, K·c_in]`` result, where :meth:`patches` would write
+    ``[N, |T|, K·c_in]``.
+
+    Returns:
+      ``(sums, L)``: ``[N, K·c_in]`` in the kernel flatten order, and the
+      number ``L`` of output locations.
+    """
+    x, rhs_dil, out = self._padded(x)
+    s = lax.reduce_window(
+        x, jnp.zeros((), x.dtype), lax.add, (1, *out, 1),
+        (1, *rhs_dil, 1), "VALID",
+        window_dilation=(1, *self.window_strides, 1))
+    s = lax.slice(s, (0,) * s.ndim,
+                  (s.shape[0], *self.spatial_shape, s.shape[-1]))
+    return s.reshape(x.shape[0], self.patch_size), int(math.prod(out))
 
   def out_rows(self, g, lead: int):
     """``g: [*lead, *y_shape[1:]]`` -> ``[*lead[:-1], lead[-1]·L, c_out]``."""
@@ -198,6 +239,29 @@ class ConvGeometry:
     dt = linalg.factor_dtype()
     return jnp.concatenate([self.out_rows(g.astype(dt), 3)
                             for g in data.grads], axis=2)
+
+  def site_patch_means(self, data, has_bias):
+    """Per-example mean patch ``[B, K·c_in (+1)]`` over every site's uses
+    and locations (:meth:`patch_sums`; the bias's 1 appended)."""
+    dt = linalg.factor_dtype()
+    total, rows = 0.0, 0
+    for inp in data.inputs:
+      x = inp[0]
+      b, u = x.shape[:2]
+      p, locations = self.patch_sums(
+          x.reshape((b * u,) + x.shape[2:]).astype(dt))
+      total = total + jnp.sum(p.reshape(b, u, -1), axis=1)
+      rows += u * locations
+    x = total / rows
+    return layouts.append_ones(x) if has_bias else x
+
+  def site_grad_sums(self, data):
+    """Per-example output gradients summed over every site's uses and
+    locations, ``[S, B, c_out]``."""
+    dt = linalg.factor_dtype()
+    feature = 2 + self.dimension_numbers.out_spec[1]  # g: [S, B, U, *y[1:]]
+    return sum(jnp.sum(g.astype(dt), axis=tuple(
+        a for a in range(2, g.ndim) if a != feature)) for g in data.grads)
 
 
 def conv_dimension_numbers(dn, kernel_shape) -> lax.ConvDimensionNumbers:
@@ -304,6 +368,47 @@ class ConvLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class ConvReduceLayout(ConvLayout):
+  """KFC-reduce (``kron_reduce``): K-FAC-reduce over the locations and uses.
+
+  Eschenhagen et al. (2023) reduce over the shared axis before the outer
+  products; for a convolution the shared axis is the ``R = U·|T|`` uses
+  and output locations of an example:
+
+  .. math::
+    \\bar p_b = \\frac{1}{R} \\sum_{u,t} \\bar p_{b,u,t}, \\quad
+    \\bar g_{s,b} = \\sum_{u,t} g_{s,b,u,t}, \\quad
+    A = \\frac{1}{B} \\sum_b \\bar p_b \\bar p_b^T, \\quad
+    G = \\frac{1}{B} \\sum_{s,b} \\bar g_{s,b} \\bar g_{s,b}^T,
+    \\quad c = 1
+
+  (``p̄`` with the bias's 1 appended). The patch sums are formed without
+  the patches (:meth:`ConvGeometry.patch_sums`), so the factors cost
+  :math:`B (K c_{in} + 1)^2` multiply-adds instead of KFC's
+  :math:`B |\\mathcal T| (K c_{in} + 1)^2`. It is exact (``A ⊗ G`` is the
+  layer's GGN block) when the layer's outputs are summed over locations
+  before a Gaussian loss and the layer is linear in its input; KFC
+  (:class:`ConvLayout`, K-FAC-expand) when every location has its own
+  loss instead.
+
+  References:
+    Eschenhagen, Immer, Turner, Schneider & Hennig (2023), "Kronecker-
+    Factored Approximate Curvature for Modern Neural Network
+    Architectures", NeurIPS (K-FAC-reduce, sec. 3).
+  """
+
+  @property
+  def init_scale(self) -> int:
+    return 1
+
+  def factor_stats(self, data, a_diagonal, g_diagonal) -> dict:
+    x = self.geometry.site_patch_means(data, self.has_bias)
+    g = self.geometry.site_grad_sums(data)
+    return layouts.kron_stats(x, g, data.batch_size, a_diagonal,
+                              g_diagonal, "conv layer")
+
+
+@dataclasses.dataclass(frozen=True)
 class ConvGrads:
   """Per-example conv gradients ``Σ_t p_{b,t} g_{s,b,t}ᵀ`` (and ``Σ_t g``)."""
   geometry: ConvGeometry
@@ -326,6 +431,13 @@ def conv_kron_block(layer: Layer, config: base.BlockConfig):
   """KFC block (``kron``; ``kron_indep`` for a multi-use conv)."""
   layout = ConvLayout(conv_geometry(layer), layer.has_bias,
                       layer.num_uses)
+  return kronecker.KroneckerBlock(layer=layer, config=config, layout=layout)
+
+
+def conv_reduce_block(layer: Layer, config: base.BlockConfig):
+  """KFC-reduce block (``kron_reduce``, :class:`ConvReduceLayout`)."""
+  layout = ConvReduceLayout(conv_geometry(layer), layer.has_bias,
+                            layer.num_uses)
   return kronecker.KroneckerBlock(layer=layer, config=config, layout=layout)
 
 
