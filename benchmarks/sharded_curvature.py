@@ -8,7 +8,11 @@ heads, MLP 4096, 4 blocks, context 128), three programs compiled for
 * ``adamw``: ``optax.adamw`` on the FSDP parameters;
 * ``replicated``: ``kfac`` with every device holding all the curvature;
 * ``sharded``: ``kfac(..., mesh=mesh, curvature_axis="data",
-  param_shardings=<the FSDP shardings>)``.
+  param_shardings=<the FSDP shardings>)``, its statistics from
+  ``update(..., batch=batch)`` (a second forward pass over the batch);
+* ``sharded-1pass``: the same transform given the gradient's own
+  linearisation, ``update(lin.gradient(), ..., linearized=lin)`` (one
+  forward pass; the step ``examples/fsdp_gpt.py`` runs).
 
 It prints, per device: the curvature bytes (the sharded state's from its
 addressable shards; the replicated state's from its shapes, as every
@@ -82,16 +86,21 @@ def programs(args, gpt, width, mesh):
   import optax  # pylint: disable=g-import-not-at-top
   import kfac_jax_lite as kl  # pylint: disable=g-import-not-at-top
   params, batch, loss, c, shardings = setup(gpt, args, width, mesh)
+  sharded = kl.kfac(1e-3, c, inverse_update_period=1, mesh=mesh,
+                    curvature_axis="data", param_shardings=shardings)
   txs = {"adamw": optax.adamw(1e-3),
          "replicated": kl.kfac(1e-3, c, inverse_update_period=1),
-         "sharded": kl.kfac(1e-3, c, inverse_update_period=1, mesh=mesh,
-                            curvature_axis="data",
-                            param_shardings=shardings)}
+         "sharded": sharded, "sharded-1pass": sharded}
+  est = kl.FisherEstimator(c)
   out = {}
   for name, tx in txs.items():
-    def step(params, state, batch, tx=tx):
-      grads = jax.grad(loss)(params, batch)
-      kw = {} if name == "adamw" else {"batch": batch}
+    def step(params, state, batch, tx=tx, name=name):
+      if name == "sharded-1pass":
+        lin = est.linearize(params, batch)
+        grads, kw = lin.gradient(), {"linearized": lin}
+      else:
+        grads = jax.grad(loss)(params, batch)
+        kw = {} if name == "adamw" else {"batch": batch}
       updates, state = tx.update(grads, state, params, **kw)
       return jax.lax.with_sharding_constraint(
           optax.apply_updates(params, updates), shardings), state
@@ -137,6 +146,9 @@ def measure_memory(args, gpt, mesh):
     cost = refresh.cost_analysis()
     rows[name]["refresh_flops"] = float(cost.get("flops", 0.0))
     rows[name]["refresh_peak"] = peak(refresh)
+  # The one-pass step holds the same state and runs the same refresh.
+  rows["sharded-1pass"].update(
+      {k: v for k, v in rows["sharded"].items() if k != "peak"})
   return rows, total, sh.describe()
 
 
@@ -150,7 +162,7 @@ def measure_time(args, gpt, mesh):
                                                 abstract))()
   batch = jax.device_put(batch, bs)
   runs = {}
-  for name in ("replicated", "sharded"):
+  for name in ("replicated", "sharded", "sharded-1pass"):
     tx, step = progs[name]
     p = jax.tree.map(lambda x: x.copy(), params)
     runs[name] = [step, p, jax.jit(tx.init)(p), []]
@@ -185,24 +197,28 @@ def main(argv=None):
         f"{args.context}, batch {args.batch_size}, {r} devices; per device "
         f"(MiB); total curvature {total / 2**20:.1f} MiB, total/{r} = "
         f"{total / r / 2**20:.1f}")
-  print(f"{'program':<12}{'curvature':>10}{'step peak':>10}"
+  print(f"{'program':<14}{'curvature':>10}{'step peak':>10}"
         f"{'refresh GFLOP':>15}{'refresh peak':>14}")
   for name, row in rows.items():
-    print(f"{name:<12}{mib(row['curvature']) if 'curvature' in row else '-':>10}"
+    print(f"{name:<14}{mib(row['curvature']) if 'curvature' in row else '-':>10}"
           f"{mib(row['peak']):>10}"
           f"{row.get('refresh_flops', 0) / 1e9 if 'refresh_flops' in row else 0:>15.3f}"
           f"{mib(row['refresh_peak']) if 'refresh_peak' in row else '-':>14}")
   sh, rep, adam = rows["sharded"], rows["replicated"], rows["adamw"]
   print(f"sharded curvature / (total/{r}): "
         f"{sh['curvature'] * r / total:.3f}")
-  print(f"sharded peak - adamw peak: {(sh['peak'] - adam['peak']) / 2**20:.1f}"
-        f" MiB = {(sh['peak'] - adam['peak']) * r / total:.3f} x total/{r}")
+  for name in ("sharded", "sharded-1pass"):
+    over = rows[name]["peak"] - adam["peak"]
+    print(f"{name} peak - adamw peak: {over / 2**20:.1f} MiB = "
+          f"{over * r / total:.3f} x total/{r}")
   print(f"sharded refresh flops / (replicated/{r}): "
         f"{sh['refresh_flops'] * r / rep['refresh_flops']:.3f}")
   times = measure_time(args, gpt, mesh)
   print(f"step with refresh at width {args.run_width}: replicated "
         f"{times['replicated']:.3f} s, sharded {times['sharded']:.3f} s "
-        f"(ratio {times['sharded'] / times['replicated']:.3f})")
+        f"(ratio {times['sharded'] / times['replicated']:.3f}), one pass "
+        f"{times['sharded-1pass']:.3f} s (ratio "
+        f"{times['sharded-1pass'] / times['replicated']:.3f})")
   return rows, times
 
 

@@ -8,7 +8,9 @@ holds about ``1/R`` of the factors (``kfac(..., mesh=mesh,
 curvature_axis="data", param_shardings=shardings)``; with the parameters'
 shardings the preconditioned update is laid out as the parameters, never
 whole on one device). The step is one ``jax.jit``; JAX inserts the
-collectives.
+collectives. It runs the model's forward pass once: the gradient and
+K-FAC's statistics come from one linearisation (``update(...,
+linearized=lin)``).
 
 On the CPU the devices are simulated (``--devices 8`` sets
 ``--xla_force_host_platform_device_count``); ``--real-devices`` uses the
@@ -177,10 +179,15 @@ def train(args: argparse.Namespace, mesh=None) -> dict:
   tx = kl.kfac(args.lr, collection, damping=1e-2,
                inverse_update_period=args.inverse_period, **kw)
 
+  est = kl.FisherEstimator(collection)
+
   @jax.jit
   def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, state, params, batch=batch)
+    # One forward pass for the gradient and K-FAC's statistics: with
+    # batch= K-FAC would run a second one, and hold its activations too.
+    lin = est.linearize(params, batch)
+    loss, grads = lin.loss, lin.gradient()
+    updates, state = tx.update(grads, state, params, linearized=lin)
     params = optax.apply_updates(params, updates)
     if shardings is not None:
       params = jax.lax.with_sharding_constraint(params, shardings)

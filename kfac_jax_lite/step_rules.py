@@ -100,6 +100,11 @@ def statistics_from_head(inner: optax.GradientTransformation,
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, *, batch=None, **extra_args):
+    if extra_args.get("linearized") is not None:
+      raise ValueError(
+          f"update(linearized=...) with stats_fraction={fraction}: the "
+          "statistics would come from every example of the linearised "
+          "batch; pass batch=..., or drop stats_fraction.")
     if batch is not None:
       batch = first_examples_of(batch, fraction, minimum)
     return inner.update(updates, state, params, batch=batch, **extra_args)

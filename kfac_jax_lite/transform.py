@@ -5,15 +5,7 @@ factors, cached damped powers, counters and sampling key, all in the optax
 state) and multiplies the gradient by the refreshed curvature; ``kfac`` is
 ``skip_nonfinite(chain(scale_by_kfac, add_decayed_weights, trace,
 scale_by_learning_rate))``, as ``optax.adam`` is ``chain(scale_by_adam,
-scale_by_learning_rate)``.
-
-Example:
-  >>> collection = kfac_jax_lite.scan(loss_fn, params, batch)
-  >>> tx = kfac_jax_lite.kfac(1e-3, collection, damping=1e-3)
-  >>> state = tx.init(params)
-  >>> grads = jax.grad(loss_fn)(params, batch)
-  >>> updates, state = tx.update(grads, state, params, batch=batch)
-  >>> params = optax.apply_updates(params, updates)
+scale_by_learning_rate)``. :func:`kfac`'s docstring has an example.
 """
 
 from __future__ import annotations
@@ -204,11 +196,13 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
-    ``params`` and exactly one of ``batch=`` or ``stats=``. Where the
-    gradients, the statistics, the damping or the learning rate are not
-    finite, the state's counters, key and caches stay as they are and
-    ``state.last_finite`` is False (the direction is then not finite
-    either; :func:`skip_nonfinite` skips such steps).
+    ``params`` and exactly one of ``batch=``, ``stats=`` or ``linearized=``
+    (``lin = FisherEstimator(collection).linearize(params, batch)``, with
+    ``lin.gradient()`` the gradient: one forward pass for both, the
+    statistics as ``batch=`` gives them). Where the gradients, statistics,
+    damping or learning rate are not finite, the counters, key and caches
+    stay and ``state.last_finite`` is False (the direction is then not
+    finite either; :func:`skip_nonfinite` skips such steps).
 
   Raises:
     ValueError: for a negative ``learning_rate``, ``norm_constraint`` or
@@ -245,7 +239,7 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
       inverse_update_warmup=inverse_update_warmup)
 
   def update_fn(updates, state, params=None, *, batch=None, stats=None,
-                **extra_args):
+                linearized=None, **extra_args):
     del extra_args  # Unknown extra args are ignored (optax.chain forwards).
     check_state(state, CurvatureState._fields, "scale_by_kfac")
     if params is None:
@@ -260,7 +254,8 @@ def scale_by_kfac(collection: Optional[LayerCollection], *,
     # The curvature checks the gradients as the product reads them: one
     # reader per gradient leaf (docs/performance.md#one-read-per-gradient).
     _, state = curvature.update((inputs.checked(), dynamic(lr)), state,
-                                params, batch=batch, stats=stats)
+                                params, batch=batch, stats=stats,
+                                linearized=linearized)
     # update_curvature's state is a CurvatureState (optax types it as any
     # pytree).
     state = cast(CurvatureState, state)
@@ -501,8 +496,7 @@ def kfac(learning_rate: ScalarOrSchedule, collection: LayerCollection, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` of descent updates (add
     them with ``optax.apply_updates``), state :class:`SkipNonFiniteState`;
-    its ``update`` takes ``params`` and exactly one of ``batch=`` or
-    ``stats=``.
+    ``update`` as :func:`scale_by_kfac`'s (``linearized=``: one pass).
 
   Raises:
     ValueError: for a negative ``momentum``, ``weight_decay`` or

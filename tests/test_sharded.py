@@ -65,16 +65,23 @@ MAKERS = {
 
 
 def _train(problem, make, params, batch_sharding=None, out_shardings=None,
-           **kw):
-  """5 steps of ``make(collection, **kw)``; the final params and state."""
+           one_pass=False, **kw):
+  """5 steps of ``make(collection, **kw)``; the final params and state.
+  ``one_pass``: the gradient and the statistics from one linearisation
+  (``update(..., linearized=...)``), else ``batch=``."""
   c = problem.scan()
   tx = make(c, **kw)
   state = jax.jit(tx.init)(params)
 
   @jax.jit
   def step(params, state, batch):
-    grads = jax.grad(problem.loss)(params, batch)
-    updates, state = tx.update(grads, state, params, batch=batch)
+    if one_pass:
+      lin = kl.FisherEstimator(c).linearize(params, batch)
+      updates, state = tx.update(lin.gradient(), state, params,
+                                 linearized=lin)
+    else:
+      grads = jax.grad(problem.loss)(params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch)
     new = jax.tree.map(lambda p, u: p + u, params, updates)
     if out_shardings is not None:
       new = jax.lax.with_sharding_constraint(new, out_shardings)
@@ -220,20 +227,46 @@ def test_each_device_holds_its_share_of_the_curvature(problem, devices):
       per_device, total, plan.describe())
 
 
-def _compiled_kfac_step(problem, devices, period, **jit_kwargs):
-  """``(hlo, width)``: the compiled text of a sharded ``kfac`` step (batch
-  split over the mesh) and the width of a device's float32 row."""
+@pytest.mark.slow
+def test_one_pass_fsdp_steps_match_one_device(problem, devices, reference):
+  """``kfac`` given the gradient's own linearisation (``linearized=``, one
+  forward pass) with FSDP parameters and the curvature over the mesh
+  equals ``batch=`` on one device (the same sampling key each step)."""
+  if "kfac" not in reference:
+    reference["kfac"] = _train(problem, MAKERS["kfac"], problem.params)
   mesh = _mesh(devices)
-  tx = kl.kfac(1e-2, problem.scan(), inverse_update_period=period,
-               mesh=mesh, curvature_axis="d")
-  state = jax.jit(tx.init)(problem.params)
+  params = _fsdp(problem.params, mesh, "d")
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  got, _, _ = _train(problem, MAKERS["kfac"], params,
+                     NamedSharding(mesh, P("d")), shardings, one_pass=True,
+                     mesh=mesh, curvature_axis="d", param_shardings=shardings)
+  helpers.assert_trees_close(got, reference["kfac"][0], rtol=1e-5)
+
+
+def _compiled_kfac_step(problem, devices, period, one_pass=False,
+                        fsdp=False, **jit_kwargs):
+  """``(hlo, width)``: the compiled text of a sharded ``kfac`` step (batch
+  split over the mesh; ``one_pass``: ``linearized=``, else ``batch=``;
+  ``fsdp``: FSDP parameters) and the width of a device's float32 row."""
+  mesh = _mesh(devices)
+  c = problem.scan()
+  params, kw = problem.params, {}
+  if fsdp:
+    params = _fsdp(params, mesh, "d")
+    kw["param_shardings"] = jax.tree.map(lambda x: x.sharding, params)
+  tx = kl.kfac(1e-2, c, inverse_update_period=period, mesh=mesh,
+               curvature_axis="d", **kw)
+  state = jax.jit(tx.init)(params)
 
   def step(params, state, batch):
+    if one_pass:
+      lin = kl.FisherEstimator(c).linearize(params, batch)
+      return tx.update(lin.gradient(), state, params, linearized=lin)
     grads = jax.grad(problem.loss)(params, batch)
     return tx.update(grads, state, params, batch=batch)
 
   batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
-  hlo = jax.jit(step, **jit_kwargs).lower(problem.params, state,
+  hlo = jax.jit(step, **jit_kwargs).lower(params, state,
                                           batch).compile().as_text()
   return hlo, _curvature(state).rows["float32"].shape[1]
 
@@ -249,6 +282,21 @@ def test_no_collective_moves_the_curvature(problem, devices):
   dims = {int(n) for s in shapes for d in re.findall(r"\[([\d,]*)\]", s)
           for n in d.split(",") if n}
   assert width not in dims, (width, shapes)
+
+
+@pytest.mark.slow
+def test_the_one_pass_step_runs_the_model_forward_once(problem, devices):
+  """With FSDP parameters and ``linearized=`` the compiled step has no
+  statistics pass of its own (no op under its ``kfac_pass`` scope; the
+  ``batch=`` step has one) and fewer matrix products than the ``batch=``
+  step (one forward pass over the batch, not two): the second pass's
+  saved activations are what the one-pass step does not hold."""
+  twice, _ = _compiled_kfac_step(problem, devices, 1, fsdp=True)
+  once, _ = _compiled_kfac_step(problem, devices, 1, one_pass=True,
+                                fsdp=True)
+  assert "kfac_pass" in twice and "kfac_pass" not in once
+  dots = lambda hlo: len(re.findall(r" dot\(", hlo))  # noqa: E731
+  assert dots(once) < dots(twice), (dots(once), dots(twice))
 
 
 def test_the_step_keeps_one_row_per_device(problem, devices):

@@ -102,6 +102,32 @@ def test_stats_path_equals_batch_path(problem):
   helpers.assert_trees_close(u1, u2, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_linearized_path_equals_batch_path(problem):
+  """``linearized=`` (the gradient's own forward pass) gives ``kfac`` the
+  statistics ``batch=`` computes (the same sampling key)."""
+  params, batches, c = problem
+  tx = kl.kfac(0.1, c)
+
+  @jax.jit
+  def one_pass(params, batch):
+    lin = kl.FisherEstimator(c).linearize(params, batch)
+    return lin.gradient(), tx.update(lin.gradient(), tx.init(params),
+                                     params, linearized=lin)
+
+  @jax.jit
+  def two_passes(params, batch):
+    grads = jax.grad(helpers.classifier_loss)(params, batch)
+    return grads, tx.update(grads, tx.init(params), params, batch=batch)
+
+  helpers.assert_trees_close(one_pass(params, batches[0]),
+                             two_passes(params, batches[0]), rtol=1e-5)
+  lin = kl.FisherEstimator(c).linearize(params, batches[0])
+  with pytest.raises(ValueError, match="linearized=.*stats_fraction"):
+    kl.kfac(0.1, c, stats_fraction=0.5).update(
+        lin.gradient(), tx.init(params), params, linearized=lin)
+
+
 def test_batch_and_stats_both_or_neither(problem):
   params, batches, c = problem
   tx = kl.kfac(0.1, c)
