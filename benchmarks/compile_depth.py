@@ -242,7 +242,7 @@ def gpt_depths(args) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   parser.add_argument("--depths", type=int, nargs="+", default=None)
   parser.add_argument("--gpt", action="store_true",
                       help="the char GPT at --depths blocks (default 4 12)")

@@ -171,6 +171,11 @@ def _median(rows: list, key: str):
   return statistics.median(vals) if vals else None
 
 
+def _ratio(value: Optional[float], base: Optional[float]) -> str:
+  """``value / base`` as ``"2.0x"``; ``"-"`` where either is missing."""
+  return "-" if not base or value is None else f"{value / base:.1f}x"
+
+
 def table(results: dict) -> list:
   """Markdown lines: one row of medians per optimizer, then each K-FAC
   step's ratios to Adam's, then the compile milliseconds per kernel."""
@@ -184,9 +189,7 @@ def table(results: dict) -> list:
                     for c in COLUMNS]
   for label, m in rows.items():
     if label != "optax.adam":
-      cells[f"{label} / adam"] = [
-          "-" if not base[c] or m[c] is None else f"{m[c] / base[c]:.1f}x"
-          for c in COLUMNS]
+      cells[f"{label} / adam"] = [_ratio(m[c], base[c]) for c in COLUMNS]
   width = max(len(k) for k in cells)
   widths = [max(len(c), 5) for c in COLUMNS]
   lines = ["| " + "optimizer".ljust(width) + " | " + " | ".join(
@@ -197,15 +200,18 @@ def table(results: dict) -> list:
         v.rjust(w) for v, w in zip(row, widths)) + " |")
   lines.append("")
   for label, m in rows.items():
-    if m["kernels"] and None not in (m["emit"], m["link"], m["codegen"]):
-      per = 1e3 * (m["emit"] + m["link"] + m["codegen"]) / m["kernels"]
+    emit, link, codegen, kernels = (
+        m[c] for c in ("emit", "link", "codegen", "kernels"))
+    if (kernels and emit is not None and link is not None
+        and codegen is not None):
+      per = 1e3 * (emit + link + codegen) / kernels
       lines.append(f"- {label}: emit + link + codegen {per:.1f} ms per "
-                   f"kernel ({m['kernels']:.0f} kernels)")
+                   f"kernel ({kernels:.0f} kernels)")
   return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   p.add_argument("--models", default="mlp,autoencoder,residual",
                  help="comma-separated: mlp, autoencoder, residual")
   p.add_argument("--repeats", type=int, default=3,

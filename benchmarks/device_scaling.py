@@ -227,7 +227,7 @@ def print_table(args: argparse.Namespace, results: dict, loads: tuple):
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n")[0],
+      description=(__doc__ or "").split("\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--devices", default="1,2,4",
                  help="comma-separated device counts, one subprocess each")

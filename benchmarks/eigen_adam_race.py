@@ -72,7 +72,7 @@ def make_tx(cfg: dict, collection):
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   p.add_argument("--steps", type=int, default=600)
   p.add_argument("--max-steps", type=int, default=400)
   p.add_argument("--adam-lrs", default="3e-3")
@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
     t = char_gpt.seconds_to_loss(r, target)
     out[r.name] = (n, t)
     last = r.curve[-1]
-    if n is None:
+    if n is None or t is None:
       print(f"{r.name:>12}: not reached in {r.steps} steps (valid "
             f"{last[2]:.4f}), {1e3 * char_gpt.median_step(r):.1f} ms/step")
     else:

@@ -66,6 +66,9 @@ def load_module_at(rev: str):
   with open(path, "w", encoding="utf-8") as f:
     f.write(source)
   spec = importlib.util.spec_from_file_location(f"blas_threads_{rev}", path)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"rev={rev!r}: {path} (its _blas_threads.py) is not "
+                      "an importable Python file.")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -144,7 +147,7 @@ def timed(r, steps: int) -> float:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
   p.add_argument("--period", type=int, default=5)
   p.add_argument("--rounds", type=int, default=8)
   p.add_argument("--before", default="",

@@ -100,8 +100,12 @@ def child(which: str, argv, hlo_path: str) -> None:
   t0 = time.perf_counter()
   compiled = lowered.compile()
   print(f"COMPILE SECONDS {time.perf_counter() - t0:.3f}", flush=True)
+  hlo = compiled.as_text()
+  if hlo is None:
+    raise RuntimeError(f"which={which!r}: the compiled step has no HLO "
+                       f"text on {jax.default_backend()}; run on CPU.")
   with open(hlo_path, "w", encoding="utf-8") as f:
-    f.write(compiled.as_text())
+    f.write(hlo)
 
 
 def measure(which: str, argv) -> tuple:
@@ -114,7 +118,11 @@ def measure(which: str, argv) -> tuple:
         env=env, capture_output=True, text=True, check=True)
     log = proc.stdout + proc.stderr
     log = log.split("COMPILE START", 1)[-1]
-    wall = float(re.search(r"COMPILE SECONDS ([0-9.]+)", log).group(1))
+    seconds = re.search(r"COMPILE SECONDS ([0-9.]+)", log)
+    if seconds is None:
+      raise RuntimeError(f"which={which!r}: the child printed no COMPILE "
+                         f"SECONDS line; its output ends:\n{log[-2000:]}")
+    wall = float(seconds.group(1))
     with open(hlo_path, encoding="utf-8") as f:
       names = op_names(f.read())
   parts = {p: [0.0, 0] for p in PARTS}

@@ -52,7 +52,7 @@ import char_gpt  # noqa: E402  pylint: disable=g-import-not-at-top
 
 def parse_args(argv: Optional[Sequence[str]]):
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n")[0],
+      description=(__doc__ or "").split("\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--short", type=int, default=600)
   p.add_argument("--long", type=int, default=2000)
@@ -186,6 +186,9 @@ def profile(s: dict, gpt) -> None:
     seconds = time.perf_counter() - t0
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
+    if cost is None:
+      raise RuntimeError(f"{name}: XLA gave no cost analysis on "
+                         f"{jax.default_backend()}; drop --profile.")
     jax.block_until_ready(compiled(*args))
     times = []
     for _ in range(5):

@@ -81,7 +81,7 @@ def print_parts(name, out):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
   p.add_argument("--models", default=",".join(kfac_defaults.MODELS))
   p.add_argument("--steps", type=int, default=10)
   args = p.parse_args(argv)

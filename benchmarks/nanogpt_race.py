@@ -48,7 +48,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import jax  # noqa: E402
-import jaxlib  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jaxlib.version  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -71,7 +72,7 @@ SMOKE = ["--width", "32", "--layers", "1", "--heads", "2", "--context",
 def parse_args(argv: Optional[Sequence[str]]):
   """``(args, gpt)``: this script's flags and char_gpt's, anchor first."""
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n")[0],
+      description=(__doc__ or "").split("\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--smoke", action="store_true",
                  help="a tiny model for a few dozen steps (a CPU check)")
@@ -131,8 +132,11 @@ def masked_decay(learning_rate: optax.Schedule, weight_decay: float
     del params
     return optax.ScaleByScheduleState(count=np.zeros([], np.int32))
 
-  def update_fn(updates, state, params):
-    rate = -learning_rate(state.count) * weight_decay
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("masked_decay: params=None; the decay is -α_t·η·θ, "
+                       "so pass the parameters to update.")
+    rate = -jnp.asarray(learning_rate(state.count)) * weight_decay
     mask = decay_mask(params)
     decay = jax.tree.map(lambda p, m: rate * p if m else 0.0 * p, params,
                          mask)
@@ -205,16 +209,15 @@ def environment() -> str:
   """One line: the device and the versions the figures were measured with."""
   d = jax.devices()[0]
   return (f"device: {d.device_kind} ({d.platform}, {jax.device_count()} "
-          f"device(s)); jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-          f"optax {optax.__version__}, python {platform.python_version()}, "
+          f"device(s)); jax {jax.__version__}, jaxlib "
+          f"{jaxlib.version.__version__}, optax {optax.__version__}, "
+          f"python {platform.python_version()}, "
           f"kfac_jax_lite {getattr(kfac_jax_lite, '__version__', '?')} (git "
           f"{git_hash()})")
 
 
-def cache_entries(path: Optional[str]) -> Optional[set]:
-  """The names in the persistent cache directory (None: cache off)."""
-  if not path:
-    return None
+def cache_entries(path: str) -> set:
+  """The names in the persistent cache directory ``path``."""
   path = os.path.expanduser(path)
   return set(os.listdir(path)) if os.path.isdir(path) else set()
 
@@ -227,7 +230,7 @@ class CacheWatch:
     self.step, self.path, self.result = step, path, "off" if not path else None
 
   def __call__(self, *args):
-    if self.result is not None:
+    if self.result is not None or not self.path:  # measured, or cache off
       return self.step(*args)
     before = cache_entries(self.path)
     out = jax.block_until_ready(self.step(*args))

@@ -86,7 +86,7 @@ def smooth(losses, window=20):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--batch-size", type=int, default=500)
   parser.add_argument("--out", default="optimizer_vs_adam.png")
@@ -113,6 +113,9 @@ def main(argv=None):
   k_loss, a_loss = smooth(curves["kfac_optimizer"][0]), smooth(
       curves[best][0])
   state = curves["kfac_optimizer"][2]
+  if not isinstance(state, kl.KFACOptimizerState):
+    raise TypeError(f"kfac_optimizer's state is a {type(state).__name__}, "
+                    "not a KFACOptimizerState")
   print(f"\nkfac_optimizer final damping {float(state.damping):.3g}, "
         f"lr {float(state.learning_rate):.3g}, momentum "
         f"{float(state.momentum):.3g}")

@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any, cast
 
 # One BLAS/LAPACK thread in every process (the parent's twin and the
 # workers), so that the same program computes the same bits everywhere.
@@ -142,9 +143,11 @@ def build(args, data):
   def step_fn(params, opt_state, batch, step):
     loss, grads, stats = vgs(params, batch, jax.random.fold_in(base, step))
     updates, opt_state = tx.update(grads, opt_state, params, stats=stats)
-    return optax.apply_updates(params, updates), opt_state, loss
+    # kfac's state is a SkipNonFiniteState (optax types it as any state).
+    return (optax.apply_updates(params, updates),
+            cast(kl.SkipNonFiniteState, opt_state), loss)
 
-  return params, tx.init(params), step_fn
+  return params, cast(kl.SkipNonFiniteState, tx.init(params)), step_fn
 
 
 class RSS:
@@ -225,8 +228,8 @@ def worker(args):
           {"params": params, "opt": opt_state}))
   mngr.wait_until_finished()
   final = tree_leaves_named({"params": params, "opt": opt_state})
-  np.savez(os.path.join(args.workdir, "final.npz"),
-           **{f"{i:04d}": v for i, v in enumerate(final.values())})
+  arrays: dict[str, Any] = {f"{i:04d}": v for i, v in enumerate(final.values())}
+  np.savez(os.path.join(args.workdir, "final.npz"), **arrays)
   with open(os.path.join(args.workdir, "final.json"), "w",
             encoding="utf-8") as f:
     json.dump({"names": list(final), "start": start,
@@ -290,6 +293,8 @@ def faulted_run(args):
   while True:
     proc = subprocess.Popen(worker_command(args), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, bufsize=1)
+    if proc.stdout is None or proc.stderr is None:
+      raise RuntimeError("worker_command: Popen gave no stdout/stderr pipe")
     target = targets[len(kills)] if len(kills) < len(targets) else None
     last = None
     for line in proc.stdout:
@@ -331,7 +336,7 @@ def differing(got, want, ignore=()):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   p.add_argument("--steps", type=int, default=5000)
   p.add_argument("--batch-size", type=int, default=64)
   p.add_argument("--hidden", type=int, default=128)

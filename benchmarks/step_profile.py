@@ -246,6 +246,9 @@ def gflop(fn, *args) -> float:
   calls count nothing), in GFLOP."""
   cost = jax.jit(fn).lower(*args).cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
+  if cost is None:
+    raise RuntimeError(f"gflop: XLA gave no cost analysis of {fn} on "
+                       f"{jax.default_backend()}; drop --flops.")
   return cost.get("flops", float("nan")) / 1e9
 
 
@@ -289,7 +292,7 @@ def flops(gpt, s: dict) -> dict:
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   p.add_argument("--repeats", type=int, default=2,
                  help="first calls of each optimizer, alternating")
   p.add_argument("--steps", type=int, default=30,

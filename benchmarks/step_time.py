@@ -78,8 +78,12 @@ SIZES = (784, 512, 512, 10)
 
 def load_example(name: str):
   """Imports ``examples/<name>.py`` (examples is not a package)."""
-  spec = importlib.util.spec_from_file_location(
-      f"example_{name}", ROOT / "examples" / f"{name}.py")
+  path = ROOT / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"load_example: name={name!r}: {path} is not an "
+                      "importable Python file; pass the stem of a file "
+                      "in examples/.")
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module
   spec.loader.exec_module(module)
@@ -321,7 +325,8 @@ def make_runners(problem: Problem, collection, periods, damping: float,
 
   for period, fraction in variants(1.0):
     kw = {} if fraction is None else {"stats_fraction": fraction}
-    est = kfac_jax_lite.FisherEstimator(collection, **kw) if kw else None
+    est = None if fraction is None else kfac_jax_lite.FisherEstimator(
+        collection, stats_fraction=fraction)
     tx = kfac_jax_lite.kfac(1e-2, collection, damping=damping,
                             inverse_update_period=period, estimator=est)
     runners.append(Runner(
@@ -438,7 +443,7 @@ def bench(model: str, args) -> list:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   p.add_argument("--models", default="mlp,autoencoder",
                  help="comma-separated: mlp, autoencoder")
   p.add_argument("--batch-size", type=int, default=256, help="MLP batch")

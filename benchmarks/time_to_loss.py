@@ -156,7 +156,7 @@ def plot(curves: dict, targets: list, path: str, window: int) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
                               formatter_class=(
                                   argparse.ArgumentDefaultsHelpFormatter))
   p.add_argument("--adam-steps", type=int, default=2000)
@@ -213,7 +213,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     tx = kfac_jax_lite.kfac_optimizer(collection, l2_reg=ae.L2, **kwargs)
     return name, f"{name}, l2_reg=1e-5", tx, ae.make_kfac_step(collection, tx)
 
-  def kfac_run(lr, damping, fraction):
+  def kfac_run(setting, fraction):
+    lr_damping = setting.split(":")
+    if len(lr_damping) != 2:
+      raise ValueError(f"--kfac {args.kfac!r}: {setting!r} is not an "
+                       "LR:DAMPING pair; pass e.g. --kfac 0.03:10.")
+    lr, damping = (float(v) for v in lr_damping)
     name = f"kfac lr={lr:g} damping={damping:g} stats_fraction={fraction:g}"
     tx = kfac_jax_lite.kfac(lr, collection, damping=damping,
                             estimator=kfac_jax_lite.FisherEstimator(
@@ -236,7 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     tx = kfac_jax_lite.kfac_optimizer(ek, l2_reg=ae.L2)
     runs.append(("kfac_optimizer ekfac", "kfac_optimizer (defaults), ekfac, "
                  "l2_reg=1e-5", tx, ae.make_kfac_step(ek, tx)))
-  runs += [kfac_run(*(float(v) for v in setting.split(":")), f)
+  runs += [kfac_run(setting, f)
            for setting in args.kfac.split(",") if setting
            for f in (float(x) for x in args.kfac_stats_fractions.split(",")
                      if x)]

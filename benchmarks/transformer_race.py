@@ -49,7 +49,7 @@ import json
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
@@ -76,9 +76,24 @@ SMOKE = ["--width", "16", "--heads", "2", "--layers", "1", "--context", "8",
          "--batch-size", "4", "--eval-every", "5", "--eval-batches", "1"]
 
 
+class Run(char_gpt.Run):
+  """``char_gpt.Run`` labelled with its optimizer ``family`` ("AdamW",
+  "Muon", ...), the unit the race compares."""
+
+  def __init__(self, family: str, name: str, params, state, step: Callable):
+    super().__init__(name, params, state, step)
+    self.family = family
+
+
+def _no_step(*args):
+  """The step of a run read back from ``--curves``: it has none."""
+  raise RuntimeError(f"a run loaded from --curves cannot advance (got "
+                     f"{len(args)} arguments); rerun without --curves.")
+
+
 def parse_args(argv: Optional[Sequence[str]]):
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n")[0],
+      description=(__doc__ or "").split("\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--models", default="nnx,equinox",
                  help=f"comma-separated, of {sorted(MODELS)}")
@@ -160,10 +175,11 @@ def _import_kron():
   except ImportError as e:
     if "clipping" not in str(e):
       return f"psgd-jax does not import ({e})"
-  from optax import _src  # pylint: disable=import-outside-toplevel
+  import optax._src as _src  # pylint: disable=import-outside-toplevel
   from optax.transforms import _clipping  # pylint: disable=g-importing-member
   sys.modules["optax._src.clipping"] = _clipping
-  _src.clipping = _clipping  # type: ignore[attr-defined]
+  # The alias psgd-jax's import needs: optax._src has no clipping now.
+  _src.clipping = _clipping  # pyright: ignore[reportAttributeAccessIssue]
   print("psgd-jax: optax._src.clipping aliased to "
         "optax.transforms._clipping for its import", flush=True)
   try:
@@ -257,8 +273,7 @@ def race_model(args, gpt, model: str) -> dict:
       continue
     state, step = char_gpt.make_runner(s["loss_fn"], tx, fraction,
                                        s["params"])
-    run = char_gpt.Run(name, s["params"], state, step)
-    run.family = family
+    run = Run(family, name, s["params"], state, step)
     runs.append(run)
   save = ((lambda: save_curves(args.curves, model, runs)) if args.curves
           else (lambda: None))
@@ -290,13 +305,15 @@ def summarise(args, runs) -> dict:
     for n, t in targets.items():
       timed = [(char_gpt.seconds_to_loss(r, t["loss"]), r) for r in members]
       hits = [(sec, r) for sec, r in timed if sec is not None]
-      sec, r = min(hits, key=lambda h: h[0]) if hits else (None, None)
+      if not hits:
+        best[family, n] = dict(run=None, seconds=None, steps=None,
+                               ratio=None, warm=None)
+        continue
+      sec, r = min(hits, key=lambda h: h[0])
       best[family, n] = dict(
-          run=r, seconds=sec,
-          steps=None if r is None else char_gpt.steps_to_loss(r, t["loss"]),
-          ratio=None if sec is None else sec / t["seconds"],
-          warm=None if sec is None else (sec - r.first_call) / (
-              t["seconds"] - t["first_call"]))
+          run=r, seconds=sec, steps=char_gpt.steps_to_loss(r, t["loss"]),
+          ratio=sec / t["seconds"],
+          warm=(sec - r.first_call) / (t["seconds"] - t["first_call"]))
   fastest = {n: min((f for f in families if best[f, n]["seconds"]),
                     key=lambda f, n=n: best[f, n]["seconds"], default=None)
              for n in marks}
@@ -383,11 +400,12 @@ def from_curves(args, path: str) -> list:
   for model, entries in saved.items():
     runs = []
     for name, e in entries.items():
-      r = char_gpt.Run(name, None, None, None)
+      first = name.split()[0]
+      r = Run(names[first] if first in names else first, name, None, None,
+              _no_step)
       r.curve = [tuple(c) for c in e["curve"]]
       r.step_seconds = e["step_seconds"]
       r.first_call, r.steps = r.step_seconds[0], len(r.step_seconds)
-      r.family = names.get(name.split()[0], name.split()[0])
       runs.append(r)
     results.append(dict(model=model, params=0, runs=runs, skipped={},
                         **summarise(args, runs)))

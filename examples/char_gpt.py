@@ -57,7 +57,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from flax import nnx
 import jax
@@ -518,7 +518,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   return args
 
 
-def setup(args: argparse.Namespace):
+def setup(args: argparse.Namespace) -> dict[str, Any]:
   """Data, model factory, loss and the scanned collection."""
   train_ids, valid_ids, chars = load_text(args.data)
   new_model = lambda: GPT(len(chars), args.context, args.width,  # noqa: E731

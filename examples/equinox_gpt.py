@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import equinox as eqx
 import jax
@@ -116,7 +116,7 @@ def make_loss_fn(static) -> Callable:
 # ---------------------------------------------------------------- main ----
 
 
-def setup(args):
+def setup(args) -> dict[str, Any]:
   """Data, loss, parameters and the scanned collection, as
   ``char_gpt.setup`` returns them for the nnx model (``--dropout`` is not
   supported here)."""

@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import flax.linen as nn
 import jax
@@ -152,8 +152,9 @@ def make_step(loss_fn: Callable, tx, collection=None) -> Callable:
 def accuracy(model: nn.Module, params, images, labels,
              chunk: int = 2000) -> float:
   """Fraction of correct predictions, evaluated in chunks."""
+  # apply returns the output alone (no mutable collections asked for).
   predict = jax.jit(lambda p, x: jnp.argmax(
-      model.apply({"params": p}, x), axis=-1))
+      cast(jax.Array, model.apply({"params": p}, x)), axis=-1))
   correct = sum(int(jnp.sum(predict(params, images[i:i + chunk])
                             == labels[i:i + chunk]))
                 for i in range(0, len(images), chunk))
@@ -244,8 +245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                momentum=args.kfac_momentum,
                                inverse_update_period=5)
   adam_tx = optax.adam(args.adam_lr)
-  results = {"layers": [(layer.name, layer.kind, layer.approx)
-                        for layer in collection.layers]}
+  results: dict[str, Any] = {"layers": [
+      (layer.name, layer.kind, layer.approx) for layer in collection.layers]}
   n_eval = min(args.eval_examples, len(data["x_test"]))
   for name, step, tx in (
       ("kfac", make_step(loss_fn, kfac_tx, collection), kfac_tx),

@@ -45,10 +45,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 import numpy as np
 import optax
 
@@ -59,7 +60,7 @@ DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   p.add_argument("--data", default=DEFAULT_DATA)
   p.add_argument("--train-size", type=int, default=5000)
   p.add_argument("--hidden", type=int, default=64)
@@ -184,7 +185,7 @@ def curvature(loss_fn, params, x, y, approx, damping, batch):
 def influences(est, state, params, x_test, y_test, x, y, chunk=500):
   """``I[t, i] = -∇ℓ(z_test_t)ᵀ (F + λ)⁻¹ ∇ℓ(z_i)``: ``[T, N]``."""
   grad = jax.grad(per_example_loss)
-  flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]  # noqa: E731
+  flat = lambda t: ravel_pytree(t)[0]  # noqa: E731
   solve = jax.jit(jax.vmap(lambda a, b: flat(est.multiply_inverse(
       state, grad(params, a, b)))))
   solved = solve(jnp.asarray(x_test), jnp.asarray(y_test))
@@ -241,7 +242,8 @@ def tiny_check(x, y, x_test, y_test, l2, removals, pool_size=4):
   iteration contracts by ``O(1/n)`` per step). Returns
   ``({name: pearson correlation}, actual changes)``.
   """
-  prev = jax.config.jax_enable_x64
+  # Config's flag attributes are set at runtime; its stubs omit them.
+  x64 = jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]
   jax.config.update("jax_enable_x64", True)
   try:
     k = 28 // pool_size
@@ -312,7 +314,7 @@ def tiny_check(x, y, x_test, y_test, l2, removals, pool_size=4):
     return {name: float(np.corrcoef(-np.asarray(s)[order] / n, actual)[0, 1])
             for name, s in scores.items()}, actual
   finally:
-    jax.config.update("jax_enable_x64", prev)
+    jax.config.update("jax_enable_x64", x64)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -329,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   print(f"trained: loss {loss:.4f}, test accuracy {acc:.3f} "
         f"({time.time() - t0:.0f}s)")
   xt, yt = x_test[:args.num_test], y_test[:args.num_test]
-  out = {"test_accuracy": acc}
+  out: dict[str, Any] = {"test_accuracy": acc}
   for approx in ("ekfac", "kron"):
     est, state = curvature(loss_fn, params, x, y, approx, args.l2,
                            min(args.curvature_batch, len(x)))

@@ -160,7 +160,8 @@ def paper_batch_size(step: int, num_examples: int) -> int:
   return min(1000 * 2 ** int(step / d), num_examples)
 
 
-def batch_stream(images: np.ndarray, steps: int, batch_size, seed: int
+def batch_stream(images: np.ndarray, steps: int,
+                 batch_size: int | Callable[[int], int], seed: int
                  ) -> Iterator[np.ndarray]:
   """``steps`` batches, drawn without replacement within each epoch.
 
@@ -395,6 +396,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   use_compilation_cache(args.compilation_cache)
   images = load_images(args.data)
   sizes = layer_sizes(args.scale)
+  batch_size: int | Callable[[int], int]
   if args.paper:
     batch_size = lambda k: paper_batch_size(k, len(images))  # noqa: E731
   else:

@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, cast
 
 import flax.linen as nn
 import jax
@@ -190,7 +190,8 @@ def make_accuracy_fn(model: nn.Module) -> Callable:
   """A jitted ``accuracy(params, images, labels) -> fraction correct``."""
   @jax.jit
   def accuracy(params, images, labels):
-    logits = model.apply({"params": params}, images)
+    # apply returns the output alone (no mutable collections asked for).
+    logits = cast(jax.Array, model.apply({"params": params}, images))
     return jnp.mean(jnp.argmax(logits, axis=-1) == labels)
   return accuracy
 

@@ -30,7 +30,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax import lax
@@ -252,8 +252,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   describe = lambda s: (f"  damping {float(s.damping):.3g} lr "  # noqa: E731
                         f"{float(s.learning_rate):.3g} momentum "
                         f"{float(s.momentum):.3g}")
-  results = {"layers": [(layer.name, layer.approx, layer.num_uses)
-                        for layer in collection.layers]}
+  results: dict[str, Any] = {"layers": [
+      (layer.name, layer.approx, layer.num_uses)
+      for layer in collection.layers]}
   for name, step, tx, extra in (
       ("kfac", make_step(kfac_tx, collection), kfac_tx,
        {"describe": describe}),
