@@ -61,8 +61,11 @@ BATCH_SIZES = {"equinox_cnn": 1024, "mnist_autoencoder": 500,
 def load_example(name):
   """Imports ``examples/<name>.py`` (examples is no package)."""
   import importlib.util  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location(
-      f"example_{name}", ROOT / "examples" / f"{name}.py")
+  path = ROOT / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"load_example: name={name!r}: {path} is not an "
+                      "importable Python file.")
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # flax dataclasses look it up.
   spec.loader.exec_module(module)
@@ -235,7 +238,7 @@ def parse_approx(text):
 
 def parse_args(argv):
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
+      description=(__doc__ or "").split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
   p.add_argument("--models", default=",".join(MODELS),
@@ -277,8 +280,8 @@ def main(argv=None):
         flush=True)
   results = {}
   for name in args.models:
-    results[name] = run_model(name, args, options)
-    print_table(name, *results[name], args)
+    results[name] = bs, best, adam, kfac = run_model(name, args, options)
+    print_table(name, bs, best, adam, kfac, args)
   return results
 
 

@@ -45,15 +45,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_gpt():
-  spec = importlib.util.spec_from_file_location(
-      "fsdp_gpt", ROOT / "examples" / "fsdp_gpt.py")
+  path = ROOT / "examples" / "fsdp_gpt.py"
+  spec = importlib.util.spec_from_file_location("fsdp_gpt", path)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"load_gpt: {path} is not an importable Python file.")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--width", type=int, default=1024)
   p.add_argument("--heads", type=int, default=16)
@@ -121,6 +123,7 @@ def measure_memory(args, gpt, mesh):
   """Per device: curvature bytes, step peak, refresh flops."""
   import jax  # pylint: disable=g-import-not-at-top
   import kfac_jax_lite as kl  # pylint: disable=g-import-not-at-top
+  from kfac_jax_lite import sharded  # pylint: disable=g-import-not-at-top
   progs, params, batch, bs, c = programs(args, gpt, args.width, mesh)
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=bs), batch)
@@ -129,7 +132,7 @@ def measure_memory(args, gpt, mesh):
     state = jax.eval_shape(tx.init, params)
     rows[name] = {"peak": peak(step.lower(params, state, batch).compile())}
   est = kl.FisherEstimator(c)
-  sh = kl.sharded.place(est, mesh, "data")
+  sh = sharded.place(est, mesh, "data")
   total = sum(u.nbytes for u in sh.plan.units)
   rows["replicated"]["curvature"] = total
   state = jax.jit(sh.init)(params)  # Allocated: each device its row.
@@ -144,6 +147,9 @@ def measure_memory(args, gpt, mesh):
     # buffers' aliasing, not the flops.
     refresh = jax.jit(e.update_cache, donate_argnums=0).lower(s).compile()
     cost = refresh.cost_analysis()
+    if cost is None:
+      raise RuntimeError(f"{name}: XLA gave no cost analysis on "
+                         f"{jax.default_backend()}.")
     rows[name]["refresh_flops"] = float(cost.get("flops", 0.0))
     rows[name]["refresh_peak"] = peak(refresh)
   # The one-pass step holds the same state and runs the same refresh.

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   p.add_argument("--devices", type=int, default=8,
                  help="simulated CPU devices (ignored with --real-devices)")
   p.add_argument("--real-devices", action="store_true",
@@ -202,15 +202,14 @@ def train(args: argparse.Namespace, mesh=None) -> dict:
     losses.append(float(loss))
   out = {"params": params, "losses": losses, "state": state}
   if mesh is not None and isinstance(state.inner[0].estimator,
-                                     kl.sharded.ShardedState):
+                                     kl.ShardedState):
     rows = state.inner[0].estimator.rows.values()
     out["curvature_bytes_per_device"] = max(
         sum(s.data.nbytes for x in rows for s in x.addressable_shards
             if s.device == d) for d in mesh.devices.flat)
-    est = kl.FisherEstimator(collection)
-    out["curvature_bytes"] = sum(u.nbytes for u in kl.placement.make_plan(
-        est, mesh.size).units)
-    out["plan"] = kl.sharded.place(est, mesh, "data").describe()
+    plan = kl.curvature_plan(kl.FisherEstimator(collection), mesh, "data")
+    out["curvature_bytes"] = sum(u.nbytes for u in plan.units)
+    out["plan"] = plan.describe()
   out["params"] = jax.tree.map(np.asarray, out["params"])
   return out
 

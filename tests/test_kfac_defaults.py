@@ -6,7 +6,6 @@ examples' models (smaller batches, fewer steps). No timing is asserted."""
 import importlib.util
 import math
 import sys
-import types
 
 import pytest
 
@@ -38,9 +37,13 @@ def _benchmark():
 def test_kfac_defaults_do_not_diverge_and_approach_adam(model):
   pytest.importorskip("equinox" if model == "equinox_cnn" else "flax")
   bench = _benchmark()
-  args = types.SimpleNamespace(
-      steps=STEPS, batch_size=BATCH, seed=0, window=WINDOW,
-      adam_lrs=[3e-3, 1e-2, 3e-2], kfac_lrs=[1e-3, 1e-2, 1e-1])
+  # The benchmark's own parser: its defaults for every other option (the
+  # learning-rate grids among them).
+  args = bench.parse_args([
+      "--models", model, "--steps", str(STEPS), "--batch-size", str(BATCH),
+      "--window", str(WINDOW)])
+  assert args.adam_lrs == [3e-3, 1e-2, 3e-2], args.adam_lrs
+  assert args.kfac_lrs == [1e-3, 1e-2, 1e-1], args.kfac_lrs
   _, best, adam, kfac = bench.run_model(model, args, {})
   for lr, r in kfac.items():
     # Diverged: a non-finite loss, or a final loss above the first one.
