@@ -155,7 +155,8 @@ class RSS:
 
   def __init__(self):
     try:
-      import psutil  # pylint: disable=import-outside-toplevel
+      # Optional, not a dependency: /proc/self/status without it.
+      import psutil  # pyright: ignore[reportMissingImports]
       proc = psutil.Process()
       self._read = lambda: proc.memory_info().rss / 2**20
       self.source = "psutil"

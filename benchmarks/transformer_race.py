@@ -170,7 +170,8 @@ def _import_kron():
   ``optax.transforms._clipping`` (it uses nothing from it); that one
   module is aliased, and the race prints that it was."""
   try:
-    from psgd_jax.kron import kron  # pylint: disable=import-outside-toplevel
+    # Optional, not a dependency (the race says when it does not import).
+    from psgd_jax.kron import kron  # pyright: ignore[reportMissingImports]
     return kron
   except ImportError as e:
     if "clipping" not in str(e):
@@ -183,7 +184,7 @@ def _import_kron():
   print("psgd-jax: optax._src.clipping aliased to "
         "optax.transforms._clipping for its import", flush=True)
   try:
-    from psgd_jax.kron import kron  # pylint: disable=import-outside-toplevel
+    from psgd_jax.kron import kron  # pyright: ignore[reportMissingImports]
     return kron
   except ImportError as e:
     return f"psgd-jax does not import ({e})"
