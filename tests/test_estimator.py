@@ -116,7 +116,8 @@ def test_single_example_full_fisher_equals_jacobian_fisher(kind):
 
   c = kl.scan(loss_fn, params, (x, t))
   est = kl.FisherEstimator(c, estimation_mode="exact")
-  state = est.update_curvature(est.init(params), params, (x, t))
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b))(
+      params, (x, t))
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   jac = jax.jacobian(lambda f: model(unravel(f), x)[0])(flat)
   want = jac.T @ _f_r(kind, model(params, x)[0]) @ jac
@@ -133,7 +134,8 @@ def test_sampled_modes_converge_to_exact(mode):
   params, batch, loss_fn = _problem("categorical", n=3)
   c = kl.scan(loss_fn, params, batch)
   exact = kl.FisherEstimator(c, estimation_mode="exact")
-  ref = exact.update_curvature(exact.init(params), params, batch)
+  ref = jax.jit(lambda p, b: exact.update_curvature(exact.init(p), p, b))(
+      params, batch)
   errors = []
   for n in (16, 256, 4096):
     est = kl.FisherEstimator(c, estimation_mode=mode, num_samples=n)
@@ -201,7 +203,8 @@ def test_two_loss_tags_sum_their_fishers():
   for fn in (both, only("normal"), only("multi_bernoulli")):
     c = kl.scan(fn, params, (x, t))
     est = kl.FisherEstimator(c, estimation_mode="exact")
-    states.append(est.update_curvature(est.init(params), params, (x, t)))
+    states.append(jax.jit(lambda p, b, est=est: est.update_curvature(
+        est.init(p), p, b))(params, (x, t)))
   for s, s1, s2 in zip(*[st.blocks for st in states]):
     np.testing.assert_allclose(s.g, s1.g + s2.g, rtol=1e-10)
 
@@ -224,11 +227,11 @@ def test_unregistered_exponent_raises_naming_exps():
   params, batch, loss_fn = _problem("normal")
   c = kl.scan(loss_fn, params, batch)
   est = kl.FisherEstimator(c, exps=(-1, -0.5))
-  state = est.update_cache(est.update_curvature(
-      est.init(params), params, batch, jax.random.PRNGKey(0)))
-  est.multiply_matpower(state, params, -0.5)
+  state = jax.jit(lambda p, b, k: est.update_cache(est.update_curvature(
+      est.init(p), p, b, k)))(params, batch, jax.random.PRNGKey(0))
+  jax.jit(lambda s, v: est.multiply_matpower(s, v, -0.5))(state, params)
   with pytest.raises(ValueError, match=r"exps=\[-1, -0.5\]"):
-    est.multiply_matpower(state, params, 2)
+    jax.jit(lambda s, v: est.multiply_matpower(s, v, 2))(state, params)
 
 
 def test_matrix_powers_and_cholesky_compose():
@@ -237,20 +240,26 @@ def test_matrix_powers_and_cholesky_compose():
   est = kl.FisherEstimator(c, exps=(-1, 0.5, -0.5), compute_cholesky=True,
                            compute_cholesky_inverse=True, damping=1e-2,
                            estimation_mode="exact")
-  state = est.update_cache(est.update_curvature(est.init(params), params,
-                                                batch))
+  state = jax.jit(lambda p, b: est.update_cache(est.update_curvature(
+      est.init(p), p, b)))(params, batch)
   v = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype) + 1
                                      ).reshape(a.shape), params)
-  fv = est.multiply(state, v)
-  helpers.assert_trees_close(
-      est.multiply_matpower(state, est.multiply_matpower(state, v, 0.5), 0.5),
-      fv, rtol=1e-9)
-  helpers.assert_trees_close(est.multiply(state, est.multiply_inverse(
-      state, v)), v, rtol=1e-9)
-  helpers.assert_trees_close(est.multiply_cholesky(
-      state, est.multiply_cholesky(state, v, transpose=True)), fv, rtol=1e-9)
-  helpers.assert_trees_close(est.multiply_cholesky_inverse(
-      state, est.multiply_cholesky(state, v)), v, rtol=1e-9)
+
+  @jax.jit
+  def products(state, v):
+    return (est.multiply(state, v),
+            est.multiply_matpower(state, est.multiply_matpower(state, v, 0.5),
+                                  0.5),
+            est.multiply(state, est.multiply_inverse(state, v)),
+            est.multiply_cholesky(
+                state, est.multiply_cholesky(state, v, transpose=True)),
+            est.multiply_cholesky_inverse(
+                state, est.multiply_cholesky(state, v)))
+  fv, half_half, f_inv, chol_chol_t, chol_inv_chol = products(state, v)
+  helpers.assert_trees_close(half_half, fv, rtol=1e-9)
+  helpers.assert_trees_close(f_inv, v, rtol=1e-9)
+  helpers.assert_trees_close(chol_chol_t, fv, rtol=1e-9)
+  helpers.assert_trees_close(chol_inv_chol, v, rtol=1e-9)
 
 
 def _count_forward_matmuls(jaxpr, lhs_shape, rhs_shape):

@@ -287,7 +287,8 @@ def test_finite_marker_stands_for_the_statistics():
   # hence the marker, are NaN.
   bad = jax.tree.map(lambda x: x, params)
   bad["layer2"]["w"] = bad["layer2"]["w"].at[0, 0].set(jnp.nan)
-  bad_stats = est.compute_stats(bad, batch, jax.random.PRNGKey(0))
+  bad_stats = jax.jit(lambda p: est.compute_stats(p, batch, jax.random.PRNGKey(
+      0)))(bad)
   assert not all(np.all(np.isfinite(x))
                  for x in jax.tree.leaves(bad_stats.blocks[1:4]))
   assert np.isnan(bad_stats.finite_marker)

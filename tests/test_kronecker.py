@@ -72,11 +72,12 @@ def test_multiply_and_inverse_equal_kronecker_products():
   batch = (x, jax.random.normal(jax.random.PRNGKey(2), (40, 3)))
   c = kl.scan(_regression_loss, params, batch)
   est = kl.FisherEstimator(c, estimation_mode="empirical", damping=0.0)
-  state = est.update_curvature(est.init(params), params, batch)
-  state = est.update_cache(state, damping=0.0)
+  state = jax.jit(lambda p, b: est.update_cache(est.update_curvature(
+      est.init(p), p, b), damping=0.0))(params, batch)
   v = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)
                                      ).reshape(a.shape), params)
-  mv, iv = est.multiply(state, v), est.multiply_inverse(state, v)
+  mv, iv = jax.jit(lambda s, v: (est.multiply(s, v), est.multiply_inverse(
+      s, v)))(state, v)
   for i, s in enumerate(state.blocks):
     vm = np.concatenate([v[f"layer{i}"]["w"], v[f"layer{i}"]["b"][None]])
     want = np.asarray(s.a) @ vm @ np.asarray(s.g)
@@ -91,13 +92,14 @@ def test_full_fisher_is_block_kron_in_ravel_order():
   params, batch = _mlp_problem()
   c = kl.scan(helpers.classifier_loss, params, batch)
   est = kl.FisherEstimator(c, estimation_mode="empirical")
-  state = est.update_curvature(est.init(params), params, batch)
-  f = np.asarray(est.full_fisher(state))
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b))(
+      params, batch)
+  f = np.asarray(jax.jit(est.full_fisher)(state))
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   v = jnp.sin(jnp.arange(flat.size, dtype=flat.dtype))
   # Undamped product through the blocks equals the dense matrix's product.
-  state = est.update_cache(state, damping=0.0)
-  mv = jax.flatten_util.ravel_pytree(est.multiply(state, unravel(v)))[0]
+  mv = jax.jit(lambda s, v: jax.flatten_util.ravel_pytree(est.multiply(
+      est.update_cache(s, damping=0.0), unravel(v)))[0])(state, v)
   np.testing.assert_allclose(f @ np.asarray(v), mv, rtol=1e-9, atol=1e-12)
 
 

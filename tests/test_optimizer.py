@@ -43,7 +43,8 @@ def test_one_step_solves_linear_least_squares(adapt):
                            adapt_learning_rate=adapt, adapt_momentum=adapt,
                            learning_rate=1.0, momentum=0.0)
     grads = jax.grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, tx.init(params), params, batch=batch)
+    updates, state = jax.jit(lambda g, p, b: tx.update(
+        g, tx.init(p), p, batch=b))(grads, params, batch)
     new = optax.apply_updates(params, updates)
     x1 = np.concatenate([batch[0], np.ones((len(batch[0]), 1))], 1)
     sol = np.linalg.lstsq(x1, batch[1], rcond=None)[0]

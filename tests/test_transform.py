@@ -143,8 +143,10 @@ def test_unknown_extra_args_are_ignored(problem):
   tx = kl.kfac(0.1, c)
   state = tx.init(params)
   grads = jax.grad(helpers.classifier_loss)(params, batches[0])
-  u1, _ = tx.update(grads, state, params, batch=batches[0])
-  u2, _ = tx.update(grads, state, params, batch=batches[0], epoch=3)
+  u1, _ = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b))(
+      grads, state, params, batches[0])
+  u2, _ = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, epoch=3))(
+      grads, state, params, batches[0])
   for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
     np.testing.assert_array_equal(a, b)
 

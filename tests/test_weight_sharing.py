@@ -81,9 +81,9 @@ def _explicit_ggn_blocks(setting, params, batch):
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   z_of = lambda p: outputs(unravel(p), batch)  # noqa: E731
   z = z_of(flat)
-  jac = jax.jacobian(lambda p: z_of(p).reshape(-1))(flat)
-  hess = jax.hessian(lambda zz: jnp.mean(jnp.sum(
-      (zz.reshape(z.shape) - batch[target]) ** 2, axis=-1)))(z.reshape(-1))
+  jac = jax.jit(jax.jacobian(lambda p: z_of(p).reshape(-1)))(flat)
+  hess = jax.jit(jax.hessian(lambda zz: jnp.mean(jnp.sum(
+      (zz.reshape(z.shape) - batch[target]) ** 2, axis=-1))))(z.reshape(-1))
   ggn = np.asarray(jac.T @ hess @ jac)
   sizes = [sum(x.size for x in jax.tree.leaves(params[k]))
            for k in sorted(params)]
@@ -99,9 +99,8 @@ def _kfac_blocks(setting, approx, params, batch):
   assert {l.approx for l in collection.layers} == {approx}
   assert {l.num_uses for l in collection.layers} == {T}
   est = kl.FisherEstimator(collection, estimation_mode="exact_GGN")
-  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b))(
-      params, batch)
-  return np.asarray(est.full_fisher(state))
+  return np.asarray(jax.jit(lambda p, b: est.full_fisher(est.update_curvature(
+      est.init(p), p, b)))(params, batch))
 
 
 @pytest.mark.parametrize("setting,exact,other", [
