@@ -94,8 +94,8 @@ def _explicit_ggn(loss_of_z, params, batch):
   """``Jᵀ H J`` in ``ravel_pytree(params)`` order, ``H = ∇²_z loss``."""
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   z_of = lambda p: _model(unravel(p), batch["x"]).reshape(-1)  # noqa: E731
-  jac = jax.jacobian(z_of)(flat)
-  hess = jax.hessian(lambda zz: loss_of_z(zz.reshape(B, T, E)))(
+  jac = jax.jit(jax.jacobian(z_of))(flat)
+  hess = jax.jit(jax.hessian(lambda zz: loss_of_z(zz.reshape(B, T, E))))(
       z_of(flat))
   return jac.T @ hess @ jac
 
@@ -111,9 +111,8 @@ def _full_fisher(loss_fn, params, batch, mode="exact_GGN", **kw):
   collection = kl.scan(loss_fn, params, batch, approximations={
       "fully_connected_multi": "full"})
   est = kl.FisherEstimator(collection, estimation_mode=mode, **kw)
-  state = jax.jit(lambda p, b: est.update_curvature(
-      est.init(p), p, b, jax.random.PRNGKey(5)))(params, batch)
-  return np.asarray(est.full_fisher(state))
+  return np.asarray(jax.jit(lambda p, b: est.full_fisher(est.update_curvature(
+      est.init(p), p, b, jax.random.PRNGKey(5))))(params, batch))
 
 
 @pytest.mark.parametrize(

@@ -84,8 +84,8 @@ def test_sampled_losses_draw_from_the_model():
   want = jnp.sum(entropy * batch["mask"]) / jnp.sum(batch["mask"])
   # 4000 draws of each of 9 positions: standard error below 0.3%.
   np.testing.assert_allclose(got[0], want, rtol=0.02)
-  total = kl.total_sampled_loss(col, params, batch, jax.random.PRNGKey(3),
-                                num_samples=4000)
+  total = jax.jit(lambda p, b, k: kl.total_sampled_loss(
+      col, p, b, k, num_samples=4000))(params, batch, jax.random.PRNGKey(3))
   np.testing.assert_allclose(total, sum(got), rtol=1e-12)
 
 

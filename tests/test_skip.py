@@ -37,6 +37,7 @@ def test_nonfinite_grads_keep_schedule_caches_and_momentum(problem):
   unchanged. Finite statistics of the same batch are still folded in (they
   describe its curvature); non-finite statistics are not."""
   params, batches, c, vgs = problem
+  vgs = jax.jit(vgs)
   tx = kl.kfac(0.1, c, damping=1e-2, inverse_update_period=1)
   step = jax.jit(lambda g, s, p, st: tx.update(g, s, p, stats=st))
   state = tx.init(params)
