@@ -42,7 +42,6 @@ import argparse
 import ast
 import math
 import os
-import pathlib
 import sys
 import time
 
@@ -51,25 +50,13 @@ import numpy as np
 import optax
 
 import kfac_jax_lite as kl
+# benchmarks/ is this script's path (tests/test_kfac_defaults.py puts it
+# there too):
+from step_time import load_example
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ("equinox_cnn", "mnist_autoencoder", "flax_cnn")
 BATCH_SIZES = {"equinox_cnn": 1024, "mnist_autoencoder": 500,
                "flax_cnn": 128}
-
-
-def load_example(name):
-  """Imports ``examples/<name>.py`` (examples is no package)."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  path = ROOT / "examples" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-  if spec is None or spec.loader is None:
-    raise ImportError(f"load_example: name={name!r}: {path} is not an "
-                      "importable Python file.")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # flax dataclasses look it up.
-  spec.loader.exec_module(module)
-  return module
 
 
 def equinox_cnn(batch_size, steps, seed, approximations=None):

@@ -34,24 +34,10 @@ Run::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import pathlib
 import statistics
 import sys
 import time
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_gpt():
-  path = ROOT / "examples" / "fsdp_gpt.py"
-  spec = importlib.util.spec_from_file_location("fsdp_gpt", path)
-  if spec is None or spec.loader is None:
-    raise ImportError(f"load_gpt: {path} is not an importable Python file.")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def parse_args(argv=None):
@@ -193,7 +179,9 @@ def main(argv=None):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-  gpt = load_gpt()
+  # benchmarks/ is this script's path; step_time imports jax.
+  from step_time import load_example  # pylint: disable=g-import-not-at-top
+  gpt = load_example("fsdp_gpt")
   mesh = Mesh(np.array(jax.devices()[:args.devices]), ("data",))
   r = args.devices
   rows, total, plan = measure_memory(args, gpt, mesh)

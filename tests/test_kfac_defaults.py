@@ -25,7 +25,10 @@ STEPS, WINDOW, BATCH = 30, 10, 64
 
 
 def _benchmark():
-  path = helpers.ROOT / "benchmarks" / "kfac_defaults.py"
+  here = helpers.ROOT / "benchmarks"
+  if str(here) not in sys.path:  # It imports step_time, as when run.
+    sys.path.insert(0, str(here))
+  path = here / "kfac_defaults.py"
   spec = importlib.util.spec_from_file_location("kfac_defaults_bench", path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module
