@@ -164,7 +164,7 @@ class FisherEstimator(products.CurvatureProducts):
   stats_sync: str = "every_update"
   distributed_inverses: bool = False
   stats_fraction: float = 1.0
-  stats_min_examples: int = 64
+  stats_min_examples: int = linearization.STATS_MIN_EXAMPLES
   stats_position_stride: Optional[int] = None
   block_factories: Optional[Mapping] = dataclasses.field(
       default=None, hash=False)

@@ -327,6 +327,12 @@ def check_options(stats_fraction, stats_min_examples, num_samples,
         f"num_samples={num_samples!r} must be a positive int.")
 
 
+# The fewest examples a ``stats_fraction`` below 1 keeps of a batch (the
+# ``stats_min_examples`` default of ``FisherEstimator``,
+# ``value_grad_and_stats`` and ``kfac``'s ``stats_fraction``).
+STATS_MIN_EXAMPLES = 64
+
+
 def stats_rows(batch_size: int, fraction: float, minimum: int = 1) -> int:
   """``min(B, max(⌈fraction · B⌉, minimum))``: the examples whose rows
   enter the factors."""

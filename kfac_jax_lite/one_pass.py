@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 from kfac_jax_lite.collection import LayerCollection
 from kfac_jax_lite.estimator import FisherEstimator
+from kfac_jax_lite.linearization import STATS_MIN_EXAMPLES
 
 
 def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
@@ -20,7 +21,7 @@ def value_grad_and_stats(loss_fn: Callable, collection: LayerCollection, *,
                          axis_name: Any = None,
                          stats_sync: str = "every_update",
                          stats_fraction: float = 1.0,
-                         stats_min_examples: int = 64,
+                         stats_min_examples: int = STATS_MIN_EXAMPLES,
                          estimator: Optional[FisherEstimator] = None):
   """Loss, gradient and curvature statistics from one forward pass.
 

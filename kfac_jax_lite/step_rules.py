@@ -35,9 +35,8 @@ DEFAULT_NORM_CONSTRAINT = 1e-3
 # damped inverses are refreshed at each of the first 20 steps.
 DEFAULT_INVERSE_UPDATE_WARMUP = 20
 
-# The fewest examples ``kfac``'s ``stats_fraction`` keeps of ``batch=``
-# (``FisherEstimator``'s ``stats_min_examples`` default).
-STATS_MIN_EXAMPLES = 64
+# The fewest examples ``kfac``'s ``stats_fraction`` keeps of ``batch=``.
+STATS_MIN_EXAMPLES = linearization.STATS_MIN_EXAMPLES
 
 
 def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
