@@ -148,7 +148,11 @@ def child(depth: int, name: str) -> dict:
       t3 = time.perf_counter()
     xplane = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0]
     phases = cp.compile_phases(xplane)
-    parts = kernel_parts(xplane, compiled.as_text())
+    hlo = compiled.as_text()
+    if hlo is None:
+      raise RuntimeError(f"compiled.as_text() gave no HLO for {name} at "
+                         f"{depth} blocks: its kernels cannot be named")
+    parts = kernel_parts(xplane, hlo)
   t4 = time.perf_counter()
   jax.block_until_ready(compiled(*args))
   run = time.perf_counter() - t4

@@ -2,7 +2,7 @@
 
 XLA:CPU compiles one kernel per distinct fusion, and most of the compile
 time of a K-FAC step goes to those kernels (benchmarks/compile_parts.py,
-docs/performance.md#where-the-compile-goes). Same-shaped layers are
+docs/performance.md#where-the-gpts-compile-goes). Same-shaped layers are
 stacked into one group (kfac_jax_lite/grouping.py), so adding identical
 layers adds no factor size, no LAPACK call and no refresh loop: the
 refresh's program is one per factor size, whatever the depth. These tests
