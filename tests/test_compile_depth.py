@@ -10,7 +10,11 @@ lower ``kfac_adamw``'s update for MLPs of 2 and 6 identical hidden layers
 and compare the two programs' factorisations.
 """
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -55,3 +59,28 @@ def test_refresh_factorisations_do_not_grow_with_depth():
   # The identical layers' refresh is one loop per factor of the group,
   # whatever its length: as many loops at depth 6 as at depth 2.
   assert deep.count("stablehlo.while") == shallow.count("stablehlo.while")
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only  # XLA:CPU's compiler events.
+@pytest.mark.xla_defaults  # The suite's fast emitters have no such events.
+def test_compile_parts_names_every_kernel_of_the_gpt_step():
+  """benchmarks/compile_parts.py's child (one fresh process per step):
+  every kernel XLA compiles for ``kfac_adamw``'s char GPT step at one
+  block is counted once, in a part of the step, and the K-FAC parts are
+  there."""
+  pytest.importorskip("flax")
+  root = helpers.ROOT
+  cmd = [sys.executable, str(root / "benchmarks" / "compile_parts.py"),
+         "--child", "1", "kfac"]
+  env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep
+             + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                       timeout=600, check=True).stdout
+  got = json.loads(out.strip().splitlines()[-1])
+  parts = got["parts"]
+  assert sum(n for n, _ in parts.values()) == got["phases"]["kernels"], got
+  for part in ("refresh", "statistics pass", "EMA", "preconditioning",
+               "grafting norms", "gradient"):
+    assert parts.get(part, [0])[0] > 0, (part, parts)
+  assert "other" not in parts, parts
