@@ -7,7 +7,8 @@ stacked into one group (kfac_jax_lite/grouping.py), so adding identical
 layers adds no factor size, no LAPACK call and no refresh loop: the
 refresh's program is one per factor size, whatever the depth. These tests
 lower ``kfac_adamw``'s update for MLPs of 2 and 6 identical hidden layers
-and compare the two programs' factorisations.
+and compare the two programs' factorisations; a slow one runs
+``benchmarks/compile_parts.py``'s child on the char GPT.
 """
 
 import json
