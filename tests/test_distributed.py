@@ -74,8 +74,19 @@ def _split(tree):
 
 
 @jax.jit  # Jitted and on host: not one eager compile per leaf shape.
-def _replicate(tree):
+def _stack(tree):
   return jax.tree.map(lambda x: jnp.stack([x] * R), tree)
+
+
+def _identity(tree):
+  return tree
+
+
+def _replicate(tree):
+  """``tree`` stacked ``R`` times and laid out over the devices as a
+  pmapped step returns its outputs: each step then compiles once, not a
+  second time for inputs of another layout."""
+  return _pmap(_identity)(_stack(tree))
 
 
 def _on_mesh(mesh, tree):
