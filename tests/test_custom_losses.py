@@ -140,13 +140,17 @@ def test_ggn_factor_squares_to_the_per_position_hessian(name):
   z = _model(_params(), batch["x"])
   spec = custom_losses.CustomLossSpec(loss_fn=FNS[name], has_targets=True,
                                       shape=z.shape)
-  eye = jnp.eye(E)
-  cols = jax.vmap(lambda e: spec.ggn_factor(
-      z, jnp.broadcast_to(e, z.shape), batch["y"]))(eye)   # [E, B, T, E]
-  hess = jax.vmap(jax.vmap(jax.hessian(FNS[name])))(z, batch["y"])
+
+  @jax.jit
+  def factor_hessian_and_hv(z, y):
+    cols = jax.vmap(lambda e: spec.ggn_factor(
+        z, jnp.broadcast_to(e, z.shape), y))(jnp.eye(E))   # [E, B, T, E]
+    hess = jax.vmap(jax.vmap(jax.hessian(FNS[name])))(z, y)
+    return cols, hess, spec.multiply_ggn(z, jnp.cos(z), y)
+
+  cols, hess, hv = factor_hessian_and_hv(z, batch["y"])
   np.testing.assert_allclose(jnp.einsum("kbti,kbtj->btij", cols, cols),
                              hess, rtol=1e-9, atol=1e-12)
-  hv = spec.multiply_ggn(z, jnp.cos(z), batch["y"])
   np.testing.assert_allclose(
       hv, jnp.einsum("btij,btj->bti", hess, jnp.cos(z)), rtol=1e-12)
 

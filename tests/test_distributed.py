@@ -74,8 +74,25 @@ def _split(tree):
 
 
 @jax.jit  # Jitted and on host: not one eager compile per leaf shape.
-def _replicate(tree):
+def _stack(tree):
   return jax.tree.map(lambda x: jnp.stack([x] * R), tree)
+
+
+def _identity(tree):
+  return tree
+
+
+def _replicate(tree):
+  """``tree`` stacked ``R`` times and laid out over the devices as a
+  pmapped step returns its outputs: each step then compiles once, not a
+  second time for inputs of another layout."""
+  return _pmap(_identity)(_stack(tree))
+
+
+def _on_mesh(mesh, tree):
+  """``tree`` replicated over ``mesh`` (``P()``), as a ``shard_map`` step
+  with ``out_specs=P()`` returns it."""
+  return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 def _first(tree):
@@ -116,6 +133,9 @@ def _steps(mapping, make_tx, params, batches, mesh):
     fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("d")),
                                out_specs=(P(), P())))
     prep = lambda b: b  # noqa: E731
+    # Placed as the step returns them: one compile, not a second one for
+    # the state the first step hands back replicated over the mesh.
+    state, params = _on_mesh(mesh, (state, params))
   else:
     fn = jax.jit(step)
     sharding = NamedSharding(mesh, P("d"))
@@ -189,6 +209,8 @@ def test_one_pass_stats_under_shard_map_match_one_device(problem, mesh):
                            out_specs=(P(), P(), P()))
     step = jax.jit(step)
     p, s, losses = params, jax.jit(tx.init)(params), []
+    if axis:  # Placed as the step returns them (one compile).
+      p, s = _on_mesh(mesh, (p, s))
     for b in batches:
       p, s, loss = step(p, s, b)
       losses.append(loss)
@@ -228,6 +250,8 @@ def test_kfac_optimizer_data_parallel_matches_one_device(problem, mesh):
       step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(axis)),
                            out_specs=(P(), P()))
     step, p, s = jax.jit(step), params, jax.jit(tx.init)(params)
+    if axis:  # Placed as the step returns them (one compile).
+      p, s = _on_mesh(mesh, (p, s))
     for b in batches:
       p, s = step(p, s, b)
     return p, s

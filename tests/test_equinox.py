@@ -425,7 +425,7 @@ def test_data_parallel_matches_one_device(mapping):
   model = CNN(jax.random.PRNGKey(0))
   batch = _image_batch(jax.random.PRNGKey(1))
   c, params, static = _scan(model, batch)
-  grads = jax.grad(_loss_of(static))(params, batch)
+  grads = jax.jit(jax.grad(_loss_of(static)))(params, batch)
 
   def run(axis, fn_map):
     tx = kl.kfac(0.1, c, damping=1e-2, estimation_mode="exact",
@@ -442,13 +442,15 @@ def test_data_parallel_matches_one_device(mapping):
     got = run("d", lambda f: jax.jit(jax.shard_map(
         f, mesh=mesh, in_specs=(P(), P(), P(), P("d")), out_specs=P())))
   else:
-    split = lambda t: jax.tree.map(  # noqa: E731
-        lambda a: a.reshape((r, -1) + a.shape[1:]), t)
+    # The batch split and the first replica's result jitted: eager, each
+    # leaf's reshape and slice is a compile of its own.
+    split = jax.jit(lambda t: jax.tree.map(
+        lambda a: a.reshape((r, -1) + a.shape[1:]), t))
+    first = jax.jit(lambda t: jax.tree.map(lambda a: a[0], t))
 
     def pmapped(f):
       g = jax.pmap(f, axis_name="d", in_axes=(None, None, None, 0))
-      return lambda s, p, gr, b: jax.tree.map(
-          lambda a: a[0], g(s, p, gr, split(b)))
+      return lambda s, p, gr, b: first(g(s, p, gr, split(b)))
     got = run("d", pmapped)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

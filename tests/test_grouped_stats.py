@@ -392,16 +392,16 @@ def test_group_statistics_over_different_data_shapes(per_row):
 
 def test_statistics_of_another_estimator_are_refused():
   est, params, batch = _estimator()
-  stats = est.compute_stats(params, batch, jax.random.PRNGKey(0))
-  state = est.init(params)
+  stats = jax.jit(est.compute_stats)(params, batch, jax.random.PRNGKey(0))
+  state = jax.jit(est.init)(params)
   other, p2, b2 = _estimator([8, 6, 6, 3])
   with pytest.raises(ValueError, match="does not match this estimator"):
-    est.update_curvature(state, stats=other.compute_stats(
+    est.update_curvature(state, stats=jax.jit(other.compute_stats)(
         p2, b2, jax.random.PRNGKey(0)))
   with pytest.raises(TypeError, match="must be the Stats"):
     est.update_curvature(state, stats=stats.stacked)
   reduced = dataclasses.replace(stats, reduction=("d", "every_update"))
   with pytest.raises(ValueError, match="were reduced for"):
     est.update_curvature(state, stats=reduced)
-  for a, b in zip(est.per_layer(stats), stats.blocks, strict=True):
+  for a, b in zip(jax.jit(est.per_layer)(stats), stats.blocks, strict=True):
     helpers.assert_trees_close(a, b, 0.0)

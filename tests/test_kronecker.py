@@ -27,7 +27,8 @@ def _mlp_problem():
 def _explicit_mlp_factors(params, batch):
   """A_l = mean ā ā^T and G_l = mean g g^T with g = ∂ℓ_b/∂s_b (per example)."""
   x, y = batch
-  _, trace = helpers.mlp_forward(params, x, tag=False)
+  _, trace = jax.jit(lambda p, x: helpers.mlp_forward(p, x, tag=False))(
+      params, x)
 
   def single(eps, xb, yb):
     h = xb
@@ -38,7 +39,7 @@ def _explicit_mlp_factors(params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(h, yb)
 
   eps0 = [jnp.zeros(p["w"].shape[1]) for p in params.values()]
-  g = jax.vmap(lambda xb, yb: jax.grad(single)(eps0, xb, yb))(x, y)
+  g = jax.jit(jax.vmap(lambda xb, yb: jax.grad(single)(eps0, xb, yb)))(x, y)
   out = []
   for i, (inp, _) in enumerate(trace):
     abar = helpers.with_bias_column(np.asarray(inp))
@@ -51,7 +52,8 @@ def test_empirical_factors_equal_explicit():
   params, batch = _mlp_problem()
   c = kl.scan(helpers.classifier_loss, params, batch)
   est = kl.FisherEstimator(c, estimation_mode="empirical")
-  state = est.update_curvature(est.init(params), params, batch)
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b))(
+      params, batch)
   for s, (a, g) in zip(state.blocks, _explicit_mlp_factors(params, batch)):
     np.testing.assert_allclose(s.a, a, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(s.g, g, rtol=1e-10, atol=1e-12)

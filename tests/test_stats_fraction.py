@@ -147,14 +147,20 @@ def test_rows_are_a_fraction_with_a_floor(batch_size, fraction, minimum,
 def test_small_batches_keep_every_example_by_default():
   params, batch = _problem()          # 8 examples < 64
   collection = kl.scan(helpers.classifier_loss, params, batch)
-  vgs = lambda **kw: kl.value_grad_and_stats(  # noqa: E731
-      collection.loss_fn, collection, estimation_mode="exact", **kw)(
+  vgs = lambda **kw: jax.jit(kl.value_grad_and_stats(  # noqa: E731
+      collection.loss_fn, collection, estimation_mode="exact", **kw))(
           params, batch, jax.random.PRNGKey(0))[2]
   jax.tree.map(np.testing.assert_array_equal,
                vgs(stats_fraction=0.25).blocks, vgs().blocks)
   est = kl.FisherEstimator(collection, stats_fraction=0.25)
-  lin = est.linearize(params, batch)
-  assert est.linearize_head(params, batch, lin) is lin
+  same = []
+
+  def head_is_the_whole_batch(p, b):
+    lin = est.linearize(p, b)
+    same.append(est.linearize_head(p, b, lin) is lin)
+
+  jax.eval_shape(head_is_the_whole_batch, params, batch)  # Traced only.
+  assert same == [True]
 
 
 @pytest.mark.slow

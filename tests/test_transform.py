@@ -314,8 +314,8 @@ def test_damping_schedule_and_weight_decay(problem):
   params, batches, c = problem
   schedule = lambda count: 1e-2 * (count + 1.0)  # noqa: E731
   tx = kl.scale_by_kfac(c, damping=schedule, inverse_update_period=1)
-  state = tx.init(params)
-  grads = jax.grad(helpers.classifier_loss)(params, batches[0])
+  state = jax.jit(tx.init)(params)
+  grads = jax.jit(jax.grad(helpers.classifier_loss))(params, batches[0])
   step = jax.jit(lambda s: tx.update(grads, s, params, batch=batches[0]))
   for count in range(3):
     _, state = step(state)
@@ -326,9 +326,9 @@ def test_damping_schedule_and_weight_decay(problem):
   plain = kl.kfac(lr, c, momentum=0.0, estimation_mode="empirical")
   decayed = kl.kfac(lr, c, momentum=0.0, weight_decay=wd,
                     estimation_mode="empirical")
-  u0, _ = plain.update(grads, plain.init(params), params, batch=batches[0])
-  u1, _ = decayed.update(grads, decayed.init(params), params,
-                         batch=batches[0])
+  u0, u1 = jax.jit(lambda g, p, b: [
+      tx.update(g, tx.init(p), p, batch=b)[0] for tx in (plain, decayed)])(
+          grads, params, batches[0])
   helpers.assert_trees_close(
       u1, jax.tree.map(lambda a, p: a - lr * wd * p, u0, params), 1e-5)
 
