@@ -9,7 +9,9 @@ Two structures do that:
 
 * :func:`sequential`: each device's blocks under a ``lax.cond`` of its
   own, each layer's state read from the row just before its new state is
-  written (the EMA: no buffer of the row's size besides the row);
+  written (the EMA: no buffer of the row's size besides the row); the
+  device's largest block goes last and writes its factor matrices one at
+  a time (:func:`in_turn`), so not even its old factors are copied out;
 * :func:`windowed`: one ``lax.switch`` over the devices whose branches
   read the row and return only the window of it that they change (the
   same offsets on every device), written in after the switch (the
