@@ -324,8 +324,9 @@ class Layout:
   others by size; each region is zero padded to the longest device's.
   The rows are sharded over the curvature axis, so each device stores its
   own row only; a layer's leaves of one region are adjacent, so its EMA
-  is one write, and a refresh writes windows of the caches (:meth:`window`;
-  :mod:`kfac_jax_lite.row_writes`).
+  is one write (a device's largest block: one per factor matrix, then one
+  for the rest), and a refresh writes windows of the caches
+  (:meth:`window`; :mod:`kfac_jax_lite.row_writes`).
   """
   plan: Plan
   treedefs: tuple     # per layer, its state's structure
