@@ -98,7 +98,13 @@ def ema_on_owners(estimator, plan, names, stats: StatsInputs, decay, ema):
           for b, x in zip(estimator.blocks, stats.layer_data)]
   flat = [jax.tree.flatten(x) for x in data]
   arrays = [[x for x in leaves if _is_array(x)] for leaves, _ in flat]
-  route = routing.make_route(plan, arrays)
+  # Split on their last axis (features), not the batch: entering the map
+  # split on the batch, the layer output gradients pin the backward
+  # pass's cotangents to the batch layout, and XLA then partitions each
+  # backward product with the all-gathered FSDP weight, holding every
+  # gathered weight from the forward pass to the backward (as AdamW does
+  # not). The owner concatenates the pieces: the same global arrays.
+  route = routing.make_route(plan, arrays, from_last=True)
 
   def rebuild(i, full):
     it = iter(full)

@@ -186,10 +186,14 @@ def block_units(estimator) -> tuple:
   return tuple(out)
 
 
-def split_axis(shape, num_devices: int) -> Optional[int]:
-  """The first axis of ``shape`` that ``num_devices`` divides, or None
-  (the array then enters whole on every device)."""
-  for a, n in enumerate(shape):
+def split_axis(shape, num_devices: int,
+               from_last: bool = False) -> Optional[int]:
+  """The first axis of ``shape`` that ``num_devices`` divides (the last
+  such axis with ``from_last``), or None (the array then enters whole on
+  every device)."""
+  axes = range(len(shape))
+  for a in (reversed(axes) if from_last else axes):
+    n = shape[a]
     if n >= num_devices and n % num_devices == 0:
       return a
   return None
@@ -320,8 +324,9 @@ class Layout:
   others by size; each region is zero padded to the longest device's.
   The rows are sharded over the curvature axis, so each device stores its
   own row only; a layer's leaves of one region are adjacent, so its EMA
-  is one write, and a refresh writes windows of the caches (:meth:`window`;
-  :mod:`kfac_jax_lite.row_writes`).
+  is one write (a device's largest block: one per factor matrix, then one
+  for the rest), and a refresh writes windows of the caches
+  (:meth:`window`; :mod:`kfac_jax_lite.row_writes`).
   """
   plan: Plan
   treedefs: tuple     # per layer, its state's structure

@@ -172,11 +172,14 @@ def _exchange(x, names):
                         tiled=True)
 
 
-def make_route(plan: placement.Plan, leaves: list) -> Route:
+def make_route(plan: placement.Plan, leaves: list,
+               from_last: bool = False) -> Route:
   """The :class:`Route` of per-layer lists of (global, possibly abstract)
-  arrays ``leaves``."""
+  arrays ``leaves``, each split on its first axis ``R`` divides (its last
+  with ``from_last``: :func:`split_axis`)."""
   r = plan.num_devices
-  axes = tuple(tuple(split_axis(x.shape, r) for x in ls) for ls in leaves)
+  axes = tuple(tuple(split_axis(x.shape, r, from_last) for x in ls)
+               for ls in leaves)
   shapes = tuple(tuple(tuple(x.shape) for x in ls) for ls in leaves)
   dtypes = tuple(tuple(str(jnp.dtype(x.dtype)) for x in ls) for ls in leaves)
   route = Route(plan, axes, shapes, dtypes, {})

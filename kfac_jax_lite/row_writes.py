@@ -9,7 +9,9 @@ Two structures do that:
 
 * :func:`sequential`: each device's blocks under a ``lax.cond`` of its
   own, each layer's state read from the row just before its new state is
-  written (the EMA: no buffer of the row's size besides the row);
+  written (the EMA: no buffer of the row's size besides the row); the
+  device's largest block goes last and writes its factor matrices one at
+  a time (:func:`in_turn`), so not even its old factors are copied out;
 * :func:`windowed`: one ``lax.switch`` over the devices whose branches
   read the row and return only the window of it that they change (the
   same offsets on every device), written in after the switch (the
@@ -32,6 +34,8 @@ import math
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+from kfac_jax_lite.scanner import deps
 
 
 def write(rows: dict, layout, old: dict, new: dict) -> dict:
@@ -73,15 +77,72 @@ def _runs(leaves) -> list:
   return runs
 
 
+def write_order(fn, old) -> list | None:
+  """The changed leaves of ``fn(old)`` (indices) in an order in which each
+  can be computed from the row as the earlier writes left it: no leaf's
+  new value reads a leaf written before it (e.g. the factors of an EMA
+  before the weight they read). None if there is no such order."""
+  new = jax.tree.leaves(fn(old))
+  changed = [k for k, (n, o) in enumerate(zip(new, jax.tree.leaves(old)))
+             if n is not o]
+  reads = deps.leaf_dependencies(fn, old)
+  order, left = [], list(changed)
+  while left:  # Next, a leaf no other leaf still to write reads.
+    free = [k for k in left if not any(k in reads[j] for j in left if j != k)]
+    if not free:
+      return None
+    order.append(free[0])
+    left.remove(free[0])
+  return order
+
+
+def in_turn(rows: dict, layout, r: int, i: int, fn) -> dict:
+  """``rows`` with layer ``i``'s state (on device ``r``) replaced by
+  ``fn(state)``: its matrices one at a time (:func:`write_order`), each
+  computed from the row as the writes before it left it, then its other
+  changed leaves by one :func:`write`.
+
+  Each matrix's write reads its old value from the window it overwrites
+  (and leaves not yet written), so XLA fuses the update into the write and
+  makes no copy of the old matrix (one write of several leaves copies them
+  out of the row first). Without such an order, every leaf goes by one
+  :func:`write`. Call it last on a row: a read of the row after a write
+  of a few scalars lets XLA fuse that write into the read and copy the row.
+  """
+  old = layout.unpack(r, rows)[i]
+  order = write_order(fn, old) or []
+  rows, done = dict(rows), set()
+  for k in order:
+    slot = layout.slots[i][k]
+    if len(slot.shape) < 2:  # The scalars and vectors go together below.
+      break
+    leaf = jax.tree.leaves(fn(layout.unpack(r, rows)[i]))[k]
+    rows[slot.dtype] = lax.dynamic_update_slice_in_dim(
+        rows[slot.dtype], jnp.ravel(leaf).astype(slot.dtype)[None],
+        slot.offset, 1)
+    done.add(k)
+  now = layout.unpack(r, rows)[i]
+  leaves, treedef = jax.tree.flatten(now)
+  rest = [x if k in done else n
+          for k, (x, n) in enumerate(zip(leaves, jax.tree.leaves(fn(now))))]
+  return write(rows, layout, {i: now}, {i: jax.tree.unflatten(treedef, rest)})
+
+
 def sequential(layout, names, branch, rows, operands) -> dict:
   """New rows: ``branch(r, layers, operands)`` gives ``{layer: fn}`` on
   device ``r`` (``fn(state)`` the layer's new state); device ``r`` applies
-  them in turn, each to its layer's state read from the row as it is."""
+  them in turn, each to its layer's state read from the row as it is
+  (:func:`in_turn`)."""
   def one(r, rows, operands):
-    for i, fn in branch(r, layout.plan.layers_of(r), operands).items():
-      old = layout.unpack(r, rows)[i]
-      rows = write(rows, layout, {i: old}, {i: fn(old)})
-    return rows
+    fns = branch(r, layout.plan.layers_of(r), operands)
+    last = max(fns, key=lambda i: layout.plan.units[i].nbytes, default=None)
+    for i, fn in fns.items():
+      if i != last:
+        old = layout.unpack(r, rows)[i]
+        rows = write(rows, layout, {i: old}, {i: fn(old)})
+    # The largest block last, its matrices in place (in_turn).
+    return rows if last is None else in_turn(rows, layout, r, last,
+                                             fns[last])
 
   num_devices = layout.plan.num_devices
   if num_devices == 1:

@@ -23,6 +23,7 @@ import pytest
 
 import kfac_jax_lite as kl
 from kfac_jax_lite import placement
+from kfac_jax_lite import routing
 from kfac_jax_lite import sharded
 from tests import helpers
 from tests import mesh_resume_worker
@@ -298,6 +299,45 @@ def test_no_collective_moves_the_curvature(problem, devices):
   dims = {int(n) for s in shapes for d in re.findall(r"\[([\d,]*)\]", s)
           for n in d.split(",") if n}
   assert width not in dims, (width, shapes)
+
+
+def test_the_statistics_inputs_enter_split_on_their_last_axis(
+    devices, monkeypatch):
+  """The one-pass FSDP step sends each layer's statistics inputs (its
+  inputs and output gradients, the batch axis ``B`` split over the mesh)
+  to their owner split on their last axis that the mesh divides, not on
+  the batch where a feature axis divides: entering the exchange split on
+  the batch, they pin the backward pass's cotangents to the batch layout
+  and XLA then holds every all-gathered FSDP weight from the forward pass
+  to the backward (at GPT-2-medium width; ``docs/guides/sharding.md``)."""
+  routes = []
+  make_route = routing.make_route
+
+  def spy(plan, leaves, *args, **kwargs):
+    route = make_route(plan, leaves, *args, **kwargs)
+    routes.append(route)
+    return route
+
+  monkeypatch.setattr(routing, "make_route", spy)
+  problem = problems.mlp_classifier((8, 16, 4), 32, 1)
+  mesh = _mesh(devices)
+  c = problem.scan()
+  params = _fsdp(problem.params, mesh, "d")
+  tx = kl.kfac(1e-2, c, mesh=mesh, curvature_axis="d",
+               param_shardings=jax.tree.map(lambda x: x.sharding, params))
+
+  def step(params, state, batch):
+    lin = kl.FisherEstimator(c).linearize(params, batch)
+    return tx.update(lin.gradient(), state, params, linearized=lin)
+
+  batch = jax.device_put(problem.batch, NamedSharding(mesh, P("d")))
+  jax.jit(step).lower(params, jax.eval_shape(tx.init, params), batch)
+  b = problem.batch[0].shape[0]
+  got = [(s, a) for r in routes for ss, aa in zip(r.shapes, r.axes)
+         for s, a in zip(ss, aa) if b in s]
+  last = lambda s: max(k for k, n in enumerate(s) if n % R == 0)  # noqa: E731
+  assert any(last(s) != s.index(b) for s, _ in got), got
+  assert all(a == last(s) for s, a in got), got
 
 
 @pytest.mark.slow
