@@ -193,22 +193,29 @@ def _compare(depth, stacked, args):
   return times["adam"], times["kfac"], steps["adam"], steps["kfac"]
 
 
-def _gpt_first_call(depth: int, name: str) -> dict:
-  """The first call of the char GPT's step at ``depth`` blocks (in this
-  process): ``{"trace", "lower", "compile", "run"}`` seconds."""
+def gpt_step(depth: int, name: str) -> tuple:
+  """``(step, args)``: the char GPT's step of ``name`` (``"adamw"`` or
+  ``"kfac"``) at ``depth`` blocks and its first arguments (not jitted)."""
   here = pathlib.Path(__file__).resolve().parent
-  sys.path[:0] = [str(here), str(here.parent / "examples")]
+  sys.path[:0] = [str(here.parent / "examples")]
   import char_gpt  # pylint: disable=import-outside-toplevel
-  import step_profile  # pylint: disable=import-outside-toplevel
   gpt = char_gpt.parse_args(["--layers", str(depth), "--plot", ""])
   s = char_gpt.setup(gpt)
   if name == "adamw":
     tx, fraction = char_gpt.adamw_transform(gpt.adam_lr), None
   else:
     tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
-  step = char_gpt.make_step(s["loss_fn"], tx, fraction)
   params, batch = s["params"], s["batch_fn"](0)
-  t, _, _ = step_profile.first_call(step, (params, tx.init(params), batch))
+  return (char_gpt.make_step(s["loss_fn"], tx, fraction),
+          (params, tx.init(params), batch))
+
+
+def _gpt_first_call(depth: int, name: str) -> dict:
+  """The first call of the char GPT's step at ``depth`` blocks (in this
+  process): ``{"trace", "lower", "compile", "run"}`` seconds."""
+  sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent)]
+  import step_profile  # pylint: disable=import-outside-toplevel
+  t, _, _ = step_profile.first_call(*gpt_step(depth, name))
   return dict(zip(("trace", "lower", "compile", "run"), t))
 
 

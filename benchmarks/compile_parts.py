@@ -57,6 +57,7 @@ import time
 import jax
 
 # benchmarks/ is this script's path.
+import compile_depth  # isort: skip
 import compile_profile as cp  # isort: skip
 import step_time as st  # noqa: E402
 
@@ -115,27 +116,10 @@ def kernel_parts(xplane: str, hlo: str) -> dict:
   return dict(out)
 
 
-def _step(depth: int, name: str) -> tuple:
-  """``(step, args)``: the char GPT's step of ``name`` at ``depth``
-  blocks, as ``compile_depth.py --gpt`` builds it (not jitted)."""
-  here = pathlib.Path(__file__).resolve().parent
-  sys.path[:0] = [str(here.parent / "examples")]
-  import char_gpt  # pylint: disable=import-outside-toplevel
-  gpt = char_gpt.parse_args(["--layers", str(depth), "--plot", ""])
-  s = char_gpt.setup(gpt)
-  if name == "adamw":
-    tx, fraction = char_gpt.adamw_transform(gpt.adam_lr), None
-  else:
-    tx, fraction = char_gpt.kfac_transform(s["collection"], gpt, gpt.seed)
-  params, batch = s["params"], s["batch_fn"](0)
-  return (char_gpt.make_step(s["loss_fn"], tx, fraction),
-          (params, tx.init(params), batch))
-
-
 def child(depth: int, name: str) -> dict:
   """The first call of one step, its compile under the profiler."""
   st.warm_up_process()
-  step, args = _step(depth, name)
+  step, args = compile_depth.gpt_step(depth, name)
   t0 = time.perf_counter()
   lowered = jax.jit(step).trace(*args).lower()
   t1 = time.perf_counter()
