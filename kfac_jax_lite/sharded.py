@@ -32,10 +32,10 @@ its position along the axis):
 The EMA and the refresh write the leaves they change into the device's
 row in place (:mod:`kfac_jax_lite.row_writes`): the EMA layer by layer
 (each device's largest block last, its factor matrices one at a time:
-no copy of its old factors), the refresh through two windows of the caches (each device's largest
-block's, then the others'). The verbs make no copy of the
-row, also under the ``lax.cond`` of the refresh schedule (the compiled
-step holds one row per device).
+no copy of its old factors), the refresh through two windows of the
+caches (each device's largest block's, then the others'). The verbs make
+no copy of the row, also under the ``lax.cond`` of the refresh schedule
+(the compiled step holds one row per device).
 
 Each block runs the same code as without a mesh, so the sharded step is
 the replicated one up to the rounding of the batched refresh (a device

@@ -35,9 +35,6 @@ DEFAULT_NORM_CONSTRAINT = 1e-3
 # damped inverses are refreshed at each of the first 20 steps.
 DEFAULT_INVERSE_UPDATE_WARMUP = 20
 
-# The fewest examples ``kfac``'s ``stats_fraction`` keeps of ``batch=``.
-STATS_MIN_EXAMPLES = linearization.STATS_MIN_EXAMPLES
-
 
 def kl_clip_coefficient(direction, grads, learning_rate, norm_constraint):
   """KL clipping (Ba, Grosse & Martens 2017, sec. 5).
@@ -126,4 +123,5 @@ def kfac_statistics_share(inner, fraction):
   linearization.check_fraction(fraction)
   if fraction >= 1.0:
     return inner
-  return statistics_from_head(inner, fraction, STATS_MIN_EXAMPLES)
+  return statistics_from_head(inner, fraction,
+                              linearization.STATS_MIN_EXAMPLES)
